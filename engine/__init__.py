@@ -1,0 +1,24 @@
+"""Tree-based speculative inference engine (after SpecInfer, Miao et al., ASPLOS 2024).
+
+Pure torch + transformers + the standard library: no Ray, gRPC or YAML here. The actors
+(`actors/`) and the Serve application (`cluster/`) are thin adapters around this package.
+
+A speculative step is four calls: draft -> merge -> verify -> commit.
+
+Glossary of dimension letters used in tensor shape comments (``# [N, V]``):
+
+    B  batch (always 1 inside the engine: one request per cache)
+    N  nodes of a token tree, root included (node 0 is the root: the last committed token,
+       not yet in the target's KV cache)
+    M  draws: one entry per proposed child (several draws can name the same node)
+    F  frontier: the tree nodes of one level, drafted in one SSM forward
+    P  prefix length: tokens already held in a KV cache
+    S  sequence length of a forward's input
+    A  accepted path length, root included
+    V  vocabulary size
+    L  transformer layers
+    H  key/value heads
+    D  head dimension
+"""
+
+__all__ = ["tree", "models", "kv", "draft", "merge", "verify", "sampling", "generate"]

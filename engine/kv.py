@@ -1,0 +1,38 @@
+"""KV-cache helpers over transformers' DynamicCache (layers hold keys/values [B, H, P, D])."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def cache_length(cache: DynamicCache) -> int:
+    return cache.get_seq_length()
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    """Drop every cached position at or after ``length`` (a view: nothing is copied)."""
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False) and layer.keys.shape[-2] > length:
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+
+def keep_path(cache: DynamicCache, prefix_length: int, path: list[int]) -> None:
+    """Keep the prefix plus the tree nodes on ``path`` (indices relative to the prefix).
+
+    The tree's N entries were appended after ``prefix_length``; afterwards the cache holds
+    ``prefix_length + len(path)`` entries. Nodes already in place are not moved, so a path
+    that is a run 0, 1, 2, ... (the first branch of a DFS-ordered tree) costs one crop.
+
+    Example: prefix_length 10, path [0, 3, 4] -> entries 10, 13, 14 move to 10, 11, 12.
+    """
+    moved = [i for i, node in enumerate(path) if node != i]
+    if moved:
+        first = moved[0]
+        source = torch.tensor(path[first:]) + prefix_length
+        target = slice(prefix_length + first, prefix_length + len(path))
+        for layer in cache.layers:
+            layer.keys[..., target, :] = layer.keys[..., source, :]
+            layer.values[..., target, :] = layer.values[..., source, :]
+    crop(cache, prefix_length + len(path))

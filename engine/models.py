@@ -1,0 +1,110 @@
+"""Loading Hugging Face causal LMs as target or SSM, with the checks tree verification needs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+# Architectures whose KV cache is plain full attention that honours a custom 4-D float mask and
+# can be gathered along the sequence axis. Each one is proven by tests/test_exactness.py.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from: a hub id, a local directory, or a .gguf file."""
+
+    name: str
+    source: str
+    dtype: str = "bfloat16"
+    trust_remote_code: bool = False
+    gguf_file: str | None = None
+    revision: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    spec: ModelSpec
+    model: PreTrainedModel
+    tokenizer: object
+
+
+def _pretrained_args(spec: ModelSpec) -> tuple[str, dict]:
+    """(path or id, keyword arguments) for from_pretrained, resolving a .gguf file path."""
+    source = str(Path(spec.source).expanduser()) if not _looks_like_hub_id(spec.source) else spec.source
+    kwargs: dict = {"trust_remote_code": spec.trust_remote_code}
+    if spec.revision:
+        kwargs["revision"] = spec.revision
+    gguf_file = spec.gguf_file
+    if gguf_file is None and source.endswith(".gguf"):
+        source, gguf_file = str(Path(source).parent), Path(source).name
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    return source, kwargs
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    return not Path(source).expanduser().exists() and source.count("/") == 1 and not source.startswith((".", "/", "~"))
+
+
+def check_architecture(config, name: str) -> None:
+    """Raise ValueError unless the config is a full-attention architecture on the allow-list."""
+    model_type = getattr(config, "model_type", "?")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"model {name!r} has architecture {model_type!r}, which tree verification does not support "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}); sliding-window, ALiBi, recurrent and "
+            "hybrid caches cannot take a tree attention mask and a gathered KV cache"
+        )
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if getattr(config, "use_sliding_window", False) or layer_types != {"full_attention"}:
+        raise ValueError(
+            f"model {name!r} ({model_type}) uses sliding-window or hybrid attention "
+            f"(layer types: {sorted(layer_types)}), which tree verification does not support"
+        )
+
+
+def load_model(spec: ModelSpec, attn_implementation: str = "sdpa") -> LoadedModel:
+    """Load a causal LM and its tokenizer; check the architecture before loading weights."""
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {spec.dtype!r}")
+    source, kwargs = _pretrained_args(spec)
+    check_architecture(AutoConfig.from_pretrained(source, **kwargs), spec.name)
+    logger.info("loading %s from %s (%s)", spec.name, spec.source, spec.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=DTYPES[spec.dtype], attn_implementation=attn_implementation, **kwargs
+    )
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
+
+
+def check_same_vocabulary(target: LoadedModel, other: LoadedModel) -> None:
+    """Raise ValueError naming both models when their vocabularies differ."""
+    target_size = target.model.config.vocab_size
+    other_size = other.model.config.vocab_size
+    if target_size != other_size or target.tokenizer.get_vocab() != other.tokenizer.get_vocab():
+        raise ValueError(
+            f"SSM {other.spec.name!r} ({other.spec.source}, vocab {other_size}) does not share the "
+            f"vocabulary of target {target.spec.name!r} ({target.spec.source}, vocab {target_size}); "
+            "speculative decoding needs one vocabulary"
+        )
+
+
+def eos_token_ids(loaded: LoadedModel) -> frozenset[int]:
+    """EOS ids from the generation config, the model config and the tokenizer."""
+    ids: set[int] = set()
+    for source in (getattr(loaded.model, "generation_config", None), loaded.model.config, loaded.tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is None:
+            continue
+        ids.update([value] if isinstance(value, int) else value)
+    return frozenset(ids)

@@ -1,0 +1,57 @@
+"""The target model side: prefill, one forward over a whole tree, commit of the accepted path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from . import kv
+from .tree import TokenTree, ancestor_mask, attention_bias, positions
+
+
+@dataclass
+class TargetState:
+    """Per-request target state: the KV cache holds every committed token but the root."""
+
+    cache: DynamicCache
+
+    @property
+    def length(self) -> int:
+        return kv.cache_length(self.cache)
+
+
+class TargetModel:
+    def __init__(self, model):
+        self.model = model
+
+    def new_state(self) -> TargetState:
+        return TargetState(DynamicCache(config=self.model.config))
+
+    @torch.inference_mode()
+    def prefill(self, state: TargetState, prompt_ids: list[int]) -> torch.Tensor:  # -> [V]
+        """Run the prompt; return the logits for the first new token."""
+        ids = torch.tensor([prompt_ids], dtype=torch.long)
+        out = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def forward_tree(self, state: TargetState, tree: TokenTree) -> torch.Tensor:  # -> [N, V]
+        """One forward over all tree nodes: positions prefix + depth, each node sees its
+        ancestors and itself. The tree's KV entries are appended until ``commit``."""
+        prefix = state.length
+        bias = attention_bias(ancestor_mask(tree.parents), prefix, self.model.dtype)
+        out = self.model(
+            input_ids=tree.tokens[None],
+            attention_mask=bias,
+            position_ids=positions(tree.parents, prefix)[None],
+            past_key_values=state.cache,
+            use_cache=True,
+        )
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def commit(self, state: TargetState, prefix_length: int, path: tuple[int, ...]) -> None:
+        """Keep the prefix plus the accepted path (root included) in the cache."""
+        kv.keep_path(state.cache, prefix_length, list(path))
