@@ -108,3 +108,22 @@ def eos_token_ids(loaded: LoadedModel) -> frozenset[int]:
             continue
         ids.update([value] if isinstance(value, int) else value)
     return frozenset(ids)
+
+
+def truncate_layers(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
+    """Keep the first ``num_layers`` decoder layers (a cheaper, weaker SSM from the same model)."""
+    layers = model.model.layers
+    if not 1 <= num_layers <= len(layers):
+        raise ValueError(f"num_layers must be in [1, {len(layers)}], got {num_layers}")
+    model.model.layers = layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    return model
+
+
+def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
+    """Dynamic int8 quantization of the linear layers (CPU): a faster SSM; verification keeps
+    the output exact whatever the SSM proposes."""
+    model = model.float()
+    return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)

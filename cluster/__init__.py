@@ -1,0 +1,1 @@
+"""Serving, configuration and command-line adapters around ``engine``."""

@@ -1,0 +1,64 @@
+"""Build engine objects from the validated config (plain values go into ``engine``)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.draft import ModelDrafter, NgramDrafter
+from engine.generate import SpeculationOptions, SpeculativeEngine
+from engine.models import (LoadedModel, ModelSpec, check_same_vocabulary, eos_token_ids, load_model,
+                           quantize_int8, truncate_layers)
+from engine.target import TargetModel
+
+from .config import EngineConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def model_spec(config: EngineConfig, model: ModelConfig) -> ModelSpec:
+    return ModelSpec(
+        name=model.name,
+        source=config.resolve_source(model.source),
+        dtype=model.dtype or config.dtype,
+        trust_remote_code=model.trust_remote_code,
+        gguf_file=model.gguf_file,
+        revision=model.revision,
+    )
+
+
+def load_configured(config: EngineConfig, model: ModelConfig) -> LoadedModel:
+    """Load one model and apply its layer truncation / quantization."""
+    loaded = load_model(model_spec(config, model))
+    if model.num_layers:
+        truncate_layers(loaded.model, model.num_layers)
+    if model.quantize == "int8":
+        loaded = LoadedModel(loaded.spec, quantize_int8(loaded.model), loaded.tokenizer)
+    return loaded
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def speculation_options(config: EngineConfig) -> SpeculationOptions:
+    s = config.speculation
+    return SpeculationOptions(mode=s.mode, expansion=tuple(s.expansion), sequence_depth=s.sequence_depth,
+                              children=s.children, max_tree_nodes=s.max_tree_nodes)
+
+
+def build_engine(config: EngineConfig) -> SpeculativeEngine:
+    """Load the target and every SSM, check one vocabulary, and assemble the in-process engine."""
+    set_threads(config.torch_threads)
+    target = load_configured(config, config.target)
+    drafters: list = []
+    for index, ssm_config in enumerate(config.ssms):
+        ssm = load_configured(config, ssm_config)
+        check_same_vocabulary(target, ssm)
+        drafters.append(ModelDrafter(ssm.model, index, ssm_config.name))
+    if config.ngram:
+        n = config.ngram
+        drafters.append(NgramDrafter(len(drafters), n.name, n.max_ngram, n.min_ngram, n.max_tokens, n.max_matches))
+    return SpeculativeEngine(TargetModel(target.model), drafters, target.tokenizer, eos_token_ids(target))

@@ -1,0 +1,146 @@
+"""The one typed config model. YAML is read here; the engine receives plain values.
+
+A config file is either a plain engine config (``configs/default.yaml``) or a Ray Serve config
+whose ``specinfer`` application carries the same model in its ``args`` (``configs/serve.yaml``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+APP_NAME = "specinfer"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """A target or SSM. ``source``: a hub id, a directory, a .gguf file, or a name in models_dir."""
+
+    name: str
+    source: str
+    gguf_file: str | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+    dtype: Dtype | None = None  # None: the config's dtype
+    num_layers: int | None = Field(default=None, ge=1, description="keep only the first N layers")
+    quantize: Literal["none", "int8"] = "none"
+
+
+class NgramConfig(_Strict):
+    """Prompt-lookup proposer."""
+
+    name: str = "ngram"
+    max_ngram: int = Field(default=3, ge=1)
+    min_ngram: int = Field(default=1, ge=1)
+    max_tokens: int = Field(default=8, ge=1)
+    max_matches: int = Field(default=2, ge=1)
+
+
+class SpeculationConfig(_Strict):
+    mode: Literal["incremental", "sequence", "tree"] = "tree"
+    expansion: list[int] = Field(default_factory=lambda: [2, 2, 1, 1])
+    sequence_depth: int = Field(default=4, ge=1, le=32)
+    children: Literal["top_k", "sampled", "sampled_without_replacement"] = "top_k"
+    max_tree_nodes: int = Field(default=64, ge=1, le=1024)
+
+    @field_validator("expansion")
+    @classmethod
+    def _expansion(cls, value: list[int]) -> list[int]:
+        if not value or len(value) > 32 or any(k < 1 or k > 64 for k in value):
+            raise ValueError("expansion must be 1..32 widths, each in [1, 64]")
+        return value
+
+
+class SamplingDefaults(_Strict):
+    max_new_tokens: int = Field(default=128, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+
+
+class ActorOptions(_Strict):
+    """Ray actor options. Fractional CPUs let several actors share a small machine."""
+
+    num_cpus: float = Field(default=0.5, ge=0.0)
+    num_gpus: float = Field(default=0.0, ge=0.0)
+    max_restarts: int = Field(default=1, ge=-1)
+    max_concurrency: int = Field(default=16, ge=1)
+    torch_threads: int = Field(default=2, ge=1)
+
+
+class VerifierConfig(_Strict):
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    actor: ActorOptions = ActorOptions()
+
+
+class ServerConfig(_Strict):
+    max_concurrent_requests: int = Field(default=8, ge=1)
+    max_new_tokens_limit: int = Field(default=2048, ge=1)
+    request_ttl_s: float = Field(default=600.0, gt=0.0)
+    ssm_actor: ActorOptions = ActorOptions()
+    merge_actor: ActorOptions = ActorOptions(num_cpus=0.1, torch_threads=1)
+
+
+class EngineConfig(_Strict):
+    """Models, speculation and serving options of one deployment."""
+
+    models_dir: str = "~/.cache/specinfer/models"
+    dtype: Dtype = "bfloat16"
+    torch_threads: int | None = Field(default=None, ge=1)
+    target: ModelConfig
+    ssms: list[ModelConfig] = Field(default_factory=list)
+    ngram: NgramConfig | None = NgramConfig()
+    speculation: SpeculationConfig = SpeculationConfig()
+    defaults: SamplingDefaults = SamplingDefaults()
+    verifier: VerifierConfig = VerifierConfig()
+    server: ServerConfig = ServerConfig()
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "EngineConfig":
+        names = [m.name for m in self.ssms] + ([self.ngram.name] if self.ngram else [])
+        if len(set(names)) != len(names):
+            raise ValueError(f"SSM names must be unique, got {names}")
+        return self
+
+    def resolved_models_dir(self) -> Path:
+        return Path(os.environ.get("SPECINFER_MODELS") or self.models_dir).expanduser()
+
+    def resolve_source(self, source: str) -> str:
+        """A name under models_dir, an existing path, or else a hub id (left as is)."""
+        candidate = self.resolved_models_dir() / source
+        if not Path(source).is_absolute() and candidate.exists():
+            return str(candidate)
+        return str(Path(source).expanduser()) if Path(source).expanduser().exists() else source
+
+
+def read_yaml(path: str | Path) -> dict:
+    with open(path, encoding="utf-8") as handle:
+        data = yaml.safe_load(handle)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def engine_section(data: dict, path: str | Path = "<config>") -> dict:
+    """The engine config inside a plain config or inside a Serve config's application args."""
+    if "applications" not in data:
+        return data
+    for app in data["applications"]:
+        if app.get("name") == APP_NAME:
+            return app.get("args") or {}
+    raise ValueError(f"{path}: no application named {APP_NAME!r} in this Serve config")
+
+
+def load_config(path: str | Path, **overrides) -> EngineConfig:
+    """Read and validate a config file; ``overrides`` replace top-level fields (e.g. dtype)."""
+    section = engine_section(read_yaml(path), path)
+    section.update({k: v for k, v in overrides.items() if v is not None})
+    return EngineConfig.model_validate(section)
