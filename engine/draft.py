@@ -43,6 +43,7 @@ class DraftSpec:
     schedule: tuple[int, ...]
     children: str = "top_k"
     sampling: SamplingParams = SamplingParams()
+    min_confidence: float = 0.0  # expand a node only if the SSM's path probability reaches this
 
     def __post_init__(self) -> None:
         if self.children not in CHILDREN_RULES:
@@ -148,18 +149,22 @@ class ModelDrafter:
         ``committed`` ends with the root (the last committed token). On return the cache holds
         exactly the committed tokens: the drafted levels are cropped away.
         """
-        logits = self._extend(cache, committed)[None]  # [1, V]
+        logits = self._extend(cache, committed)[None]  # [F, V], F = 1 at the root
         builder = _Builder(root=committed[-1], proposer=self.proposer)
-        frontier = [0]
+        frontier, cached, confidence = [0], [], {0: 1.0}
         for depth, width in enumerate(spec.schedule, start=1):
             first = len(builder.tokens)
             for row, parent in zip(logits, frontier):
+                probabilities = torch.softmax(row, dim=-1)  # [V]
                 for token, q in choose_children(row, width, spec, generator):
-                    builder.add(parent, token, q)
-            frontier = list(range(first, len(builder.tokens)))
-            if depth == len(spec.schedule):
+                    node = builder.add(parent, token, q)
+                    confidence[node] = confidence[parent] * float(probabilities[token])
+            # Dynamic tree: only confident nodes are expanded, decided before their children are drawn.
+            frontier = [n for n in range(first, len(builder.tokens)) if confidence[n] >= spec.min_confidence]
+            if depth == len(spec.schedule) or not frontier:
                 break
-            logits = self._forward_level(cache, builder, frontier, depth, len(committed))
+            logits = self._forward_level(cache, builder, frontier, cached, depth, len(committed))
+            cached += frontier
         kv.crop(cache, len(committed))
         return builder.build()
 
@@ -171,15 +176,16 @@ class ModelDrafter:
         return self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1].float()
 
     def _forward_level(
-        self, cache: DynamicCache, builder: _Builder, level: list[int], depth: int, committed_length: int
+        self, cache: DynamicCache, builder: _Builder, level: list[int], cached: list[int], depth: int,
+        committed_length: int,
     ) -> torch.Tensor:  # -> [F, V]
-        """One SSM forward over a tree level; the earlier levels are already in the cache.
+        """One SSM forward over the nodes of a level that will be expanded.
 
-        The cache holds the committed tokens then nodes 1 .. level[0]-1 in node order; the level's
-        nodes are appended, so keys are [committed | nodes 1 .. level[-1]].
+        The cache holds the committed tokens, then the ``cached`` nodes in that order; the level's
+        nodes are appended, so the keys are [committed | cached | level].
         """
         parents = torch.tensor(builder.parents, dtype=torch.long)
-        visible = ancestor_mask(parents)[level][:, 1 : level[-1] + 1]  # [F, K]
+        visible = ancestor_mask(parents)[level][:, cached + level]  # [F, K]
         bias = attention_bias(visible, committed_length, self.model.dtype)
         ids = torch.tensor([[builder.tokens[n] for n in level]], dtype=torch.long)
         position_ids = torch.full_like(ids, committed_length - 1 + depth)
