@@ -8,7 +8,7 @@ import logging
 import sys
 
 # Each module adds its sub-commands with add_parsers(subparsers); missing ones are skipped.
-COMMAND_MODULES = ("cluster.cli_generate", "cluster.cli_serve", "cluster.cli_bench")
+COMMAND_MODULES = ("cluster.cli_generate", "cluster.cli_serve", "cluster.cli_bench", "cluster.cli_k8s")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,30 @@
+# syntax=docker/dockerfile:1
+# The serving image named by k8s/overlay.yaml and k8s/rayservice.yaml:
+#   docker build -t ghcr.io/specinfer/specinfer:0.1.0 .
+# The Ray head, the GPU workers and the workers' fetch-models initContainer all run it.
+# The base's Ray must equal the pin in pyproject.toml (ray[serve]==2.60.0) and rayVersion in the manifest.
+FROM rayproject/ray:2.60.0-py311-gpu
+
+# CUDA-enabled torch. On Linux x86_64 the torch wheel from PyPI is the CUDA build (it brings the CUDA
+# runtime as nvidia-* wheels and needs only the node's NVIDIA driver). The CPU-only torch that
+# scripts/setup.sh installs is for local runs and CI only, never for this image.
+ARG TORCH_VERSION=2.13.0
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" \
+ && python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 'CPU-only torch in the serving image')"
+
+# This package, not editable: engine, actors, cluster and protos with the committed gRPC stubs
+# (protos/specinfer_pb2*.py; the Serve config imports protos.specinfer_pb2_grpc). The source is
+# removed after the install so that the installed package is the only copy on sys.path.
+COPY --chown=ray:users . /tmp/specinfer-src
+RUN pip install --no-cache-dir /tmp/specinfer-src \
+ && mkdir -p /home/ray/specinfer \
+ && cp -r /tmp/specinfer-src/configs /home/ray/specinfer/configs \
+ && rm -rf /tmp/specinfer-src \
+ && python -c "import protos.specinfer_pb2_grpc, grpc_health.v1.health_pb2_grpc, cluster.serve_app" \
+ && specinfer --help > /dev/null
+
+WORKDIR /home/ray/specinfer
+# Models are read from the volume the manifest mounts (models_dir in the Serve config); nothing is
+# downloaded from a model hub at run time.
+ENV HF_HUB_OFFLINE=1 \
+    TOKENIZERS_PARALLELISM=false

@@ -1,0 +1,46 @@
+"""`specinfer k8s render`: generate k8s/rayservice.yaml from configs/serve.yaml + k8s/overlay.yaml."""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+
+from .k8s import DEFAULT_OUT, DEFAULT_OVERLAY, DEFAULT_SERVE_CONFIG, render
+
+
+def add_parsers(subparsers) -> None:
+    k8s = subparsers.add_parser("k8s", help="Kubernetes manifests (KubeRay RayService)")
+    k8s_sub = k8s.add_subparsers(dest="k8s_command", required=True)
+    ren = k8s_sub.add_parser("render", help="generate the RayService manifest from the Serve config and the overlay")
+    ren.add_argument("--serve-config", type=Path, default=Path(DEFAULT_SERVE_CONFIG),
+                     help="Ray Serve config (default %(default)s)")
+    ren.add_argument("--overlay", type=Path, default=Path(DEFAULT_OVERLAY),
+                     help="Kubernetes overlay (default %(default)s)")
+    ren.add_argument("--out", default=DEFAULT_OUT, help="manifest to write, '-' for stdout (default %(default)s)")
+    ren.add_argument("--check", action="store_true",
+                     help="write nothing; exit 1 when --out differs from what would be generated")
+    ren.set_defaults(handler=run_render)
+
+
+def run_render(args) -> int:
+    text = render(args.serve_config, args.overlay)
+    if args.check:
+        if args.out == "-":
+            raise ValueError("--check needs a file for --out")
+        out = Path(args.out)
+        current = out.read_text(encoding="utf-8") if out.exists() else ""
+        if current == text:
+            print(f"{out} is up to date")
+            return 0
+        sys.stderr.writelines(difflib.unified_diff(current.splitlines(keepends=True), text.splitlines(keepends=True),
+                                                   f"{out} (committed)", f"{out} (generated)"))
+        print(f"{out} is stale: run `specinfer k8s render`", file=sys.stderr)
+        return 1
+    if args.out == "-":
+        sys.stdout.write(text)
+        return 0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text, encoding="utf-8")
+    print(f"wrote {args.out}")
+    return 0

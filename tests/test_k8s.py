@@ -1,0 +1,714 @@
+"""The Kubernetes manifests in k8s/: schema validity, freshness and safety properties.
+
+* The RayService (and the RayCluster spec inside it) is validated against the KubeRay CRD
+  OpenAPI v3 schemas in ``../shared/schemas`` (``$SPECINFER_SCHEMAS`` overrides) the way the API
+  server does it: schema defaults applied first, unknown fields rejected (kubectl's strict field
+  validation), ``x-kubernetes-int-or-string``, int32/int64 ranges and list-map keys honoured.
+* Core objects (Service, PVC, the pod templates) are validated with ``kubernetes-validate``,
+  which ships the Kubernetes schemas and works offline.
+* ``serveConfigV2`` is validated with our own config model and Ray Serve's schema, and the
+  committed manifest must equal what ``specinfer k8s render`` generates.
+* Negative tests mutate valid manifests and check that each mutation is rejected.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import re
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from cluster import k8s
+from cluster.config import EngineConfig, engine_section, read_yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+
+# Importing Ray Serve's schema (serveConfigV2 validation) warns about its own pydantic usage.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "k8s"
+OVERLAY = K8S / "overlay.yaml"  # the input of `specinfer k8s render`, not a manifest
+RAYSERVICE = K8S / "rayservice.yaml"
+SERVICE = K8S / "service.yaml"
+PVC = K8S / "models-pvc.yaml"
+DOCKERFILE = ROOT / "Dockerfile"
+K8S_VERSIONS = ("1.29", "1.37")  # oldest and newest Kubernetes the core objects must be valid for
+SERVING_PORTS = {8000, 9000}
+CORE_KINDS = {"Service", "PersistentVolumeClaim"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def schemas_dir() -> Path:
+    env = os.environ.get("SPECINFER_SCHEMAS")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "schemas"
+    if not (path / "ray.io_rayservices.yaml").is_file() or not (path / "ray.io_rayclusters.yaml").is_file():
+        pytest.fail(f"KubeRay CRD schemas not found in {path} (need ray.io_rayservices.yaml and "
+                    "ray.io_rayclusters.yaml): put them in ../shared/schemas next to the repository or point "
+                    "$SPECINFER_SCHEMAS at their directory", pytrace=False)
+    return path
+
+
+def crd_openapi(path: Path, version: str = "v1") -> dict:
+    crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # 18k lines
+    for entry in crd["spec"]["versions"]:
+        if entry["name"] == version:
+            return entry["schema"]["openAPIV3Schema"]
+    raise AssertionError(f"{path.name} has no version {version}")
+
+
+@pytest.fixture(scope="module")
+def rayservice_schema() -> dict:
+    return crd_openapi(schemas_dir() / "ray.io_rayservices.yaml")
+
+
+@pytest.fixture(scope="module")
+def raycluster_spec_schema() -> dict:
+    return crd_openapi(schemas_dir() / "ray.io_rayclusters.yaml")["properties"]["spec"]
+
+
+def manifest_docs() -> list[tuple[str, dict]]:
+    docs = []
+    for path in sorted(K8S.glob("*.y*ml")):
+        if path == OVERLAY:
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None:
+                docs.append((path.name, doc))
+    return docs
+
+
+def load_rayservice() -> dict:
+    (doc,) = [doc for _, doc in manifest_docs() if doc.get("kind") == "RayService"]
+    return doc
+
+
+def serve_config_v2(rayservice: dict) -> dict:
+    return yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+
+
+def containers(rayservice: dict) -> dict[str, dict]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    groups = [("head", cluster["headGroupSpec"])] + [(g["groupName"], g) for g in cluster["workerGroupSpecs"]]
+    return {name: group["template"]["spec"]["containers"][0] for name, group in groups}
+
+
+# ---------------------------------------------------------------------------------------------
+# A small model of the API server's CRD validation
+
+
+def apply_defaults(instance, schema: dict):
+    """Fill in schema defaults the way the API server does, recursively; returns a new value.
+
+    Within an object that is present, a missing property with a ``default`` gets a copy of it; a
+    ``null`` for a property that is not ``nullable`` is pruned first (and then defaulted). Maps
+    (``additionalProperties``) and array items are defaulted element by element.
+    """
+    instance = copy.deepcopy(instance)
+    _default(instance, schema)
+    return instance
+
+
+def _default(instance, schema: dict) -> None:
+    if isinstance(instance, dict):
+        props = schema.get("properties") or {}
+        for key, sub in props.items():
+            if key in instance and instance[key] is None and not sub.get("nullable"):
+                del instance[key]
+            if key not in instance and "default" in sub:
+                instance[key] = copy.deepcopy(sub["default"])
+            if key in instance:
+                _default(instance[key], sub)
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key, value in instance.items():
+                if key not in props:
+                    _default(value, extra)
+    elif isinstance(instance, list) and isinstance(schema.get("items"), dict):
+        for item in instance:
+            _default(item, schema["items"])
+
+
+def to_json_schema(node: dict) -> dict:
+    """An OpenAPI v3 (structural CRD) schema as a JSON Schema draft 4 for ``jsonschema``.
+
+    ``nullable`` adds "null" to the type; ``x-kubernetes-int-or-string`` accepts an integer or a
+    string; objects with ``properties`` reject unknown fields unless
+    ``x-kubernetes-preserve-unknown-fields`` (strict field validation, kubectl's default);
+    ``x-kubernetes-embedded-resource`` admits apiVersion/kind/metadata. The list-type keywords
+    are kept and checked by the extra validators below; descriptions are dropped.
+    """
+    out: dict = {}
+    for key, value in node.items():
+        if key == "properties":
+            out[key] = {name: to_json_schema(sub) for name, sub in value.items()}
+        elif key in ("items", "additionalProperties", "not") and isinstance(value, dict):
+            out[key] = to_json_schema(value)
+        elif key in ("anyOf", "allOf", "oneOf"):
+            out[key] = [to_json_schema(sub) for sub in value]
+        elif key in ("description", "example", "externalDocs", "x-kubernetes-validations", "nullable", "default"):
+            continue
+        else:
+            out[key] = copy.deepcopy(value)
+    if node.get("x-kubernetes-int-or-string") and "anyOf" not in out:
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if node.get("nullable") and "type" in out:
+        out["type"] = [out["type"], "null"]
+    if node.get("x-kubernetes-embedded-resource"):
+        props = out.setdefault("properties", {})
+        for name in ("apiVersion", "kind"):
+            props.setdefault(name, {"type": "string"})
+        props.setdefault("metadata", {"type": "object"})
+    strict = not node.get("x-kubernetes-preserve-unknown-fields")
+    if "properties" in out and "additionalProperties" not in out and strict:
+        out["additionalProperties"] = False
+    return out
+
+
+def _list_type(validator, list_type, instance, schema):
+    if not validator.is_type(instance, "array"):
+        return
+    if list_type == "set":
+        seen = []
+        for item in instance:
+            if item in seen:
+                yield jsonschema.ValidationError(f"duplicate entry {item!r} in a list of type set")
+            seen.append(item)
+    elif list_type == "map":
+        keys = schema.get("x-kubernetes-list-map-keys") or []
+        seen = set()
+        for item in instance:
+            if isinstance(item, dict):
+                key = tuple(repr(item.get(k)) for k in keys)
+                if key in seen:
+                    shown = {k: item.get(k) for k in keys}
+                    yield jsonschema.ValidationError(f"duplicate entry {shown} in a list of type map")
+                seen.add(key)
+
+
+_FORMATS = jsonschema.FormatChecker(formats=())
+
+
+@_FORMATS.checks("int32")
+def _int32(value) -> bool:
+    return not isinstance(value, int) or isinstance(value, bool) or -(2**31) <= value < 2**31
+
+
+@_FORMATS.checks("int64")
+def _int64(value) -> bool:
+    return not isinstance(value, int) or isinstance(value, bool) or -(2**63) <= value < 2**63
+
+
+CRDValidator = jsonschema.validators.extend(jsonschema.Draft4Validator, {"x-kubernetes-list-type": _list_type})
+
+
+_VALIDATORS: dict[int, tuple[dict, jsonschema.protocols.Validator]] = {}
+
+
+def crd_validator(openapi: dict):
+    """The (cached) validator of a CRD schema; the converted schema is itself checked once."""
+    if id(openapi) not in _VALIDATORS or _VALIDATORS[id(openapi)][0] is not openapi:
+        schema = to_json_schema(openapi)
+        CRDValidator.check_schema(schema)
+        _VALIDATORS[id(openapi)] = (openapi, CRDValidator(schema, format_checker=_FORMATS))
+    return _VALIDATORS[id(openapi)][1]
+
+
+def crd_errors(instance, openapi: dict) -> list[str]:
+    """What the API server would refuse in ``instance`` (defaults applied first); [] when valid."""
+    validator = crd_validator(openapi)
+    errors = sorted(validator.iter_errors(apply_defaults(instance, openapi)), key=lambda e: list(e.absolute_path))
+    return [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors]
+
+
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def metadata_errors(metadata: dict) -> list[str]:
+    """ObjectMeta checks the CRD schema leaves to the API server: the name and the labels."""
+    errors = []
+    name = metadata.get("name", "")
+    if not (DNS_SUBDOMAIN.match(name) and len(name) <= 253):
+        errors.append(f"metadata.name {name!r} is not a DNS subdomain")
+    for key, value in (metadata.get("labels") or {}).items():
+        if not (isinstance(value, str) and LABEL_VALUE.match(value) and len(value) <= 63):
+            errors.append(f"label {key}={value!r} is not a valid label value")
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Safety checks (functions, so that the negative tests can prove they catch violations)
+
+
+def serving_port_violations(service: dict) -> list[str]:
+    """A serving Service may expose Ray Serve's HTTP 8000 and gRPC 9000 and nothing else."""
+    problems = []
+    for port in service["spec"]["ports"]:
+        if port["port"] not in SERVING_PORTS:
+            problems.append(f"port {port['port']} ({port.get('name')}) is not a serving port")
+        if port.get("targetPort", port["port"]) not in SERVING_PORTS | {"serve", "serve-grpc"}:
+            problems.append(f"targetPort {port['targetPort']} is not a serving port")
+    if service["spec"].get("type", "ClusterIP") not in ("ClusterIP",):
+        problems.append(f"type {service['spec']['type']}: expose the service through TLS and authn, not directly")
+    return problems
+
+
+LOOPBACK = ("127.0.0.1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "--node-ip-address")
+
+
+def loopback_violations(text: str) -> list[str]:
+    return [needle for needle in LOOPBACK if needle in text]
+
+
+def pinned_ray_version() -> str:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (pin,) = [d for d in deps if re.match(r"ray(\[.*\])?==", d)]
+    return pin.split("==", 1)[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema validity
+
+
+def test_manifests_are_known_kinds():
+    docs = manifest_docs()
+    kinds = sorted(doc.get("kind", "?") for _, doc in docs)
+    assert kinds == ["PersistentVolumeClaim", "RayService", "Service"], kinds
+    for name, doc in docs:
+        assert doc["apiVersion"] == ("ray.io/v1" if doc["kind"] == "RayService" else "v1"), name
+        assert metadata_errors(doc["metadata"]) == [], name
+
+
+def test_rayservice_matches_kuberay_crd(rayservice_schema):
+    rayservice = load_rayservice()
+    assert crd_errors(rayservice, rayservice_schema) == []
+
+
+def test_embedded_raycluster_spec_matches_raycluster_crd(raycluster_spec_schema):
+    assert crd_errors(load_rayservice()["spec"]["rayClusterConfig"], raycluster_spec_schema) == []
+
+
+def test_defaults_are_applied_before_validation(rayservice_schema):
+    defaulted = apply_defaults(load_rayservice(), rayservice_schema)
+    port = defaulted["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"][0]
+    assert port["protocol"] == "TCP"  # the schema's default, also what we write
+    # every default in the schema is a valid value under it
+    assert crd_errors(defaulted, rayservice_schema) == []
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("name, doc", [(n, d) for n, d in manifest_docs() if d["kind"] in CORE_KINDS],
+                         ids=lambda v: v if isinstance(v, str) else v["kind"])
+def test_core_objects_match_kubernetes_schemas(name, doc, version):
+    kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_pod_templates_match_kubernetes_schemas(version):
+    cluster = load_rayservice()["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": group["template"]}
+        kubernetes_validate.validate(template, version, strict=True)
+
+
+def test_kubernetes_validate_works_offline(monkeypatch):
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("kubernetes-validate tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(yaml.safe_load(PVC.read_text()), version, strict=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# serveConfigV2 and freshness
+
+
+def test_serve_config_v2_is_a_valid_engine_config():
+    serve_config = serve_config_v2(load_rayservice())
+    engine = EngineConfig.model_validate(engine_section(serve_config))
+    assert k8s.validate_serve_config(serve_config) == engine  # also Ray Serve's ServeDeploySchema
+    overlay = k8s.Overlay.model_validate(read_yaml(OVERLAY))
+    assert engine.models_dir == overlay.kubernetes.models.mount_path == "/models"
+    assert engine.verifier.actor.num_gpus == 1 and 0 < engine.server.ssm_actor.num_gpus < 1
+    assert engine.verifier.tensor_parallel_size == 1
+    base = read_yaml(ROOT / "configs" / "serve.yaml")
+    assert serve_config["grpc_options"]["grpc_servicer_functions"] == base["grpc_options"]["grpc_servicer_functions"]
+    assert serve_config["grpc_options"]["port"] == 9000
+    assert serve_config["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    # everything but the overlaid fields is configs/serve.yaml's
+    assert engine.target == EngineConfig.model_validate(engine_section(base)).target
+
+
+def test_committed_rayservice_is_up_to_date():
+    generated = k8s.render(ROOT / "configs" / "serve.yaml", OVERLAY)
+    assert RAYSERVICE.read_text() == generated, "k8s/rayservice.yaml is stale: run `specinfer k8s render`"
+    assert generated.startswith("# generated by specinfer k8s render; do not edit")
+
+
+def test_render_is_deterministic():
+    serve_config, overlay = read_yaml(ROOT / "configs" / "serve.yaml"), read_yaml(OVERLAY)
+    first = k8s.render_manifest(serve_config, overlay)[0]
+    assert first == k8s.render_manifest(copy.deepcopy(serve_config), copy.deepcopy(overlay))[0]
+    assert yaml.safe_load(first.split("---\n", 1)[1]) == k8s.render_manifest(serve_config, overlay)[1]
+
+
+def _render_cli(argv: list[str]) -> int:
+    import argparse
+
+    from cluster import cli_k8s
+
+    parser = argparse.ArgumentParser()
+    cli_k8s.add_parsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+def test_render_cli_check_and_write(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    assert _render_cli(["k8s", "render", "--check"]) == 0
+    stale = tmp_path / "rayservice.yaml"
+    stale.write_text(RAYSERVICE.read_text().replace("replicas: 1", "replicas: 3"))
+    assert _render_cli(["k8s", "render", "--check", "--out", str(stale)]) == 1
+    assert "is stale" in capsys.readouterr().err
+    fresh = tmp_path / "out" / "rayservice.yaml"
+    assert _render_cli(["k8s", "render", "--out", str(fresh)]) == 0
+    assert fresh.read_text() == RAYSERVICE.read_text()
+    overlay = read_yaml(OVERLAY)
+    overlay["kubernetes"]["worker"]["memory"] = "64Gi"
+    changed = tmp_path / "overlay.yaml"
+    changed.write_text(yaml.safe_dump(overlay))
+    assert _render_cli(["k8s", "render", "--check", "--overlay", str(changed)]) == 1
+
+
+def test_render_command_is_registered(monkeypatch):
+    from cluster import cli
+
+    monkeypatch.chdir(ROOT)
+
+    assert "cluster.cli_k8s" in cli.COMMAND_MODULES, "add cluster.cli_k8s to COMMAND_MODULES in cluster/cli.py"
+    assert cli.main(["k8s", "render", "--check", "--out", str(RAYSERVICE)]) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Safety properties
+
+
+def test_serving_service_exposes_only_8000_and_9000():
+    (service,) = [doc for _, doc in manifest_docs() if doc["kind"] == "Service"]
+    assert serving_port_violations(service) == []
+    assert {p["port"] for p in service["spec"]["ports"]} == SERVING_PORTS
+    assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {"serve": "serve",
+                                                                              "serve-grpc": "serve-grpc"}
+
+
+def test_serving_service_selects_the_serving_ray_pods():
+    service = yaml.safe_load(SERVICE.read_text())
+    rayservice = load_rayservice()
+    selector = dict(service["spec"]["selector"])
+    assert selector.pop("ray.io/serve") == "true"  # set by KubeRay on the pods that may take traffic
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        labels = group["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items()
+        # KubeRay's head Service selects app.kubernetes.io/name=kuberay: the templates must not override it
+        assert "app.kubernetes.io/name" not in labels
+    assert selector["app.kubernetes.io/instance"] == rayservice["metadata"]["name"]
+    assert rayservice["spec"]["excludeHeadPodFromServeSvc"] is True
+
+
+def test_kuberay_serve_service_port_is_http_8000():
+    """KubeRay's <name>-serve-svc is built from the head container port named "serve" only."""
+    for name, container in containers(load_rayservice()).items():
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["serve"] == 8000 and ports["serve-grpc"] == 9000, name
+    head_ports = {p["name"]: p["containerPort"] for p in containers(load_rayservice())["head"]["ports"]}
+    assert head_ports == {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": 8000, "serve-grpc": 9000}
+
+
+def test_no_loopback_binding_anywhere():
+    paths = sorted(K8S.glob("*")) + [DOCKERFILE, ROOT / ".dockerignore"]
+    for path in paths:
+        assert loopback_violations(path.read_text()) == [], path.name
+    serve_config = serve_config_v2(load_rayservice())
+    assert serve_config["http_options"]["host"] == "0.0.0.0"
+    head = load_rayservice()["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+
+
+def test_ray_version_is_pinned_everywhere():
+    version = pinned_ray_version()
+    assert version == "2.60.0"
+    assert load_rayservice()["spec"]["rayClusterConfig"]["rayVersion"] == version
+    assert re.search(rf"^FROM rayproject/ray:{re.escape(version)}-py\d+-gpu\s*$", DOCKERFILE.read_text(), re.M)
+
+
+def test_image_is_the_package_version_for_every_container():
+    package = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    cluster = load_rayservice()["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        spec = group["template"]["spec"]
+        for container in spec["containers"] + spec.get("initContainers", []):
+            assert container["image"] == f"ghcr.io/specinfer/specinfer:{package}"
+
+
+def test_gpus_only_on_workers_and_enough_for_one_pipeline():
+    rayservice = load_rayservice()
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"]["num-gpus"] == "0" and head["rayStartParams"]["num-cpus"] == "0"
+    assert not any("gpu" in key for key in containers(rayservice)["head"]["resources"]["limits"])
+    engine = EngineConfig.model_validate(engine_section(serve_config_v2(rayservice)))
+    (worker,) = cluster["workerGroupSpecs"]
+    gpus = int(worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+    assert gpus >= math.ceil(k8s.gpus_per_pipeline(engine)) >= 2  # 1 (verifier) + 0.25 (SSM)
+
+
+def test_model_volume_is_the_pvc_and_filled_by_the_fetch_init_container():
+    pvc = yaml.safe_load(PVC.read_text())
+    (worker,) = load_rayservice()["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    spec = worker["template"]["spec"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "models"]
+    assert volume["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    (init,) = spec["initContainers"]
+    assert init["command"][:5] == ["specinfer", "models", "fetch", "--cache-dir", "/models"]
+    assert set(init["command"][5:]) == {"qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"}
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in spec["containers"][0]["volumeMounts"]
+
+
+def test_dockerfile_builds_the_serving_image():
+    text = DOCKERFILE.read_text()
+    assert "torch.version.cuda" in text  # the build fails on a CPU-only torch
+    assert re.search(r"pip install --no-cache-dir /tmp/specinfer-src", text)
+    assert "protos.specinfer_pb2_grpc" in text
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    for package in {p.rstrip("*") for p in include}:
+        assert f"!{package}/" in ignore and (ROOT / package).is_dir(), package
+    assert "!README.md" in ignore and "!pyproject.toml" in ignore  # pyproject's readme; the build needs both
+    assert all((ROOT / "protos" / f).is_file() for f in ("specinfer_pb2.py", "specinfer_pb2_grpc.py"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Negative tests: the validators have teeth
+
+
+def _set(doc: dict, path: str, value) -> dict:
+    doc = copy.deepcopy(doc)
+    *parents, last = path.split("/")
+    node = doc
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return doc
+
+
+RC = "spec/rayClusterConfig"
+HEAD = f"{RC}/headGroupSpec"
+WORKER = f"{RC}/workerGroupSpecs/0"
+HEAD_C = f"{HEAD}/template/spec/containers/0"
+WORKER_C = f"{WORKER}/template/spec/containers/0"
+
+BAD_RAYSERVICES = {
+    "replicas is a string": (f"{WORKER}/replicas", "two"),
+    "replicas is a float": (f"{WORKER}/replicas", 1.5),
+    "unknown field in headGroupSpec": (f"{HEAD}/rayStartParam", {"num-gpus": "0"}),
+    "unknown field in a container": (f"{HEAD_C}/portz", []),
+    "unknown field at the top of spec": ("spec/serveConfig", "x"),
+    "containerPort is a string": (f"{HEAD_C}/ports/0/containerPort", "6379"),
+    "containerPort beyond int32": (f"{HEAD_C}/ports/0/containerPort", 2**40),
+    "int-or-string given a list": (f"{WORKER_C}/resources/limits/nvidia.com~gpu", ["2"]),
+    "int-or-string given a bool": (f"{WORKER_C}/resources/limits/cpu", True),
+    "rayStartParams value not a string": (f"{HEAD}/rayStartParams/num-gpus", 0),
+    "serveConfigV2 not a string": ("spec/serveConfigV2", {"applications": []}),
+    "enum violated": (f"{RC}/authOptions", {"mode": "magic"}),
+    "duplicate list-map key": (f"{HEAD_C}/ports/1", {"name": "x", "containerPort": 6379, "protocol": "TCP"}),
+    "negative minimum": ("spec/rayClusterDeletionDelaySeconds", -1),
+}
+
+
+def _mutate(doc: dict, path: str, value) -> dict:
+    if "~" in path:  # a key with a slash: nvidia.com/gpu
+        *parents, last = path.split("/")
+        doc = copy.deepcopy(doc)
+        node = doc
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        node[last.replace("~", "/")] = value
+        return doc
+    return _set(doc, path, value)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RAYSERVICES))
+def test_invalid_rayservice_is_refused(case, rayservice_schema):
+    path, value = BAD_RAYSERVICES[case]
+    errors = crd_errors(_mutate(load_rayservice(), path, value), rayservice_schema)
+    mutated = path.replace("~", "/")
+    where = [e.split(": ", 1)[0] for e in errors]
+    # refused, and for the mutation itself: the error sits on the mutated field or on its parent
+    assert any(mutated.startswith(w) or w.startswith(mutated) for w in where), (case, errors)
+
+
+def test_missing_required_head_group_is_refused(rayservice_schema, raycluster_spec_schema):
+    rayservice = load_rayservice()
+    del rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert any("headGroupSpec" in e for e in crd_errors(rayservice, rayservice_schema))
+    assert crd_errors(rayservice["spec"]["rayClusterConfig"], raycluster_spec_schema)
+
+
+@pytest.mark.parametrize("value", [2, "2", "500m"])
+def test_int_or_string_accepts_both(value, rayservice_schema):
+    rayservice = _mutate(load_rayservice(), f"{WORKER_C}/resources/limits/cpu", value)
+    assert crd_errors(rayservice, rayservice_schema) == []
+
+
+def test_default_applier():
+    schema = {"type": "object", "properties": {
+        "a": {"type": "integer", "default": 1},
+        "b": {"type": "object", "properties": {"c": {"type": "string", "default": "x"}}},
+        "d": {"type": "object", "default": {}, "properties": {"e": {"type": "boolean", "default": True}}},
+        "m": {"type": "object", "additionalProperties": {"type": "object", "properties": {
+            "f": {"type": "integer", "default": 7}}}},
+        "l": {"type": "array", "items": {"type": "object", "properties": {"g": {"type": "string", "default": "y"}}}},
+        "n": {"type": "string", "default": "z"},
+    }}
+    got = apply_defaults({"a": 5, "m": {"k": {}}, "l": [{}, {"g": "q"}], "n": None}, schema)
+    # present values kept; absent parents not created unless they have a default themselves
+    assert got == {"a": 5, "m": {"k": {"f": 7}}, "l": [{"g": "y"}, {"g": "q"}], "n": "z", "d": {"e": True}}
+    assert "b" not in got
+
+
+def test_strict_field_validation_respects_preserve_unknown_fields():
+    schema = {"type": "object", "properties": {
+        "strict": {"type": "object", "properties": {"a": {"type": "string"}}},
+        "loose": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                  "properties": {"a": {"type": "string"}}},
+        "port": {"x-kubernetes-int-or-string": True},
+    }}
+    assert crd_errors({"loose": {"a": "x", "b": 1}, "port": "http"}, schema) == []
+    assert crd_errors({"port": 80}, schema) == []
+    assert crd_errors({"strict": {"a": "x", "b": 1}}, schema)
+    assert crd_errors({"port": 1.5}, schema)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("case, path, value", [
+    ("pvc access modes not a list", "spec/accessModes", "ReadWriteOnce"),
+    ("pvc unknown field", "spec/size", "20Gi"),
+])
+def test_invalid_pvc_is_refused(case, path, value, version):
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(_set(yaml.safe_load(PVC.read_text()), path, value), version, strict=True)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("case, path, value", [
+    ("service port a string", "spec/ports/1/port", "9000"),
+    ("service unknown field", "spec/exposeDashboard", True),
+    ("service targetPort a list", "spec/ports/0/targetPort", [8000]),
+])
+def test_invalid_service_is_refused(case, path, value, version):
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(_set(yaml.safe_load(SERVICE.read_text()), path, value), version, strict=True)
+
+
+def test_safety_checks_catch_violations():
+    service = yaml.safe_load(SERVICE.read_text())
+    dashboard = copy.deepcopy(service)
+    dashboard["spec"]["ports"].append({"name": "dashboard", "port": 8265, "targetPort": 8265})
+    assert serving_port_violations(dashboard)
+    public = _set(service, "spec/type", "LoadBalancer")
+    assert serving_port_violations(public)
+    assert loopback_violations("http_options:\n  host: 127.0.0.1\n")
+    assert loopback_violations("ENV RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1")
+
+
+def test_invalid_serve_config_v2_is_refused():
+    from pydantic import ValidationError
+
+    serve_config = serve_config_v2(load_rayservice())
+    args = engine_section(serve_config)
+    for bad in ({**args, "unknown_option": 1},
+                {**args, "verifier": {**args["verifier"], "actor": {**args["verifier"]["actor"], "num_gpus": "lots"}}},
+                {**args, "speculation": {**args["speculation"], "expansion": []}}):
+        with pytest.raises(ValidationError):
+            EngineConfig.model_validate(bad)
+    with pytest.raises(ValueError, match="0.0.0.0"):
+        k8s.validate_serve_config(_set(serve_config, "http_options/host", "127.0.0.1"))
+    with pytest.raises(ValueError, match="9000"):
+        k8s.validate_serve_config(_set(serve_config, "grpc_options/port", 9001))
+
+
+# ---------------------------------------------------------------------------------------------
+# Render: merging and the checks it refuses on
+
+
+def test_deep_merge_rules():
+    base = {"a": {"b": 1, "c": [1, 2]}, "apps": [{"name": "x", "args": {"k": 1, "drop": 2}}, {"name": "y"}]}
+    overlay = {"a": {"c": [3], "d": 4}, "apps": {"x": {"args": {"k": 5, "drop": None}}}}
+    assert k8s.deep_merge(base, overlay) == {
+        "a": {"b": 1, "c": [3], "d": 4}, "apps": [{"name": "x", "args": {"k": 5}}, {"name": "y"}]}
+    assert base["apps"][0]["args"] == {"k": 1, "drop": 2}  # inputs untouched
+    with pytest.raises(ValueError, match="no item named 'z'"):
+        k8s.deep_merge(base, {"apps": {"z": {}}})
+    assert k8s.deep_merge(base, {"apps": [{"name": "only"}]})["apps"] == [{"name": "only"}]
+
+
+def _args(overlay: dict) -> dict:
+    return overlay["serve"]["applications"]["specinfer"]["args"]
+
+
+def _render_with(change) -> None:
+    serve_config, overlay = read_yaml(ROOT / "configs" / "serve.yaml"), read_yaml(OVERLAY)
+    change(overlay)
+    k8s.render_manifest(serve_config, overlay)
+
+
+@pytest.mark.parametrize("case, change, message", [
+    ("one GPU is not enough", lambda o: o["kubernetes"]["worker"].update(gpus=1), "worker.gpus"),
+    ("verifier on CPU", lambda o: _args(o)["verifier"]["actor"].update(num_gpus=0),
+     "num_gpus"),
+    ("tensor parallel 2 needs 3 GPUs",
+     lambda o: _args(o)["verifier"].update(tensor_parallel_size=2), "worker.gpus"),
+    ("models_dir off the volume", lambda o: _args(o).update(models_dir="/data"),
+     "mount_path"),
+    ("loopback http", lambda o: o["serve"]["http_options"].update(host="127.0.0.1"), "0.0.0.0"),
+    ("unknown overlay field", lambda o: o["kubernetes"].update(replicas=2), "replicas"),
+    ("unknown engine field", lambda o: _args(o).update(gpu=True), "gpu"),
+    ("unknown application", lambda o: o["serve"]["applications"].update(other={"args": {}}), "other"),
+    ("replicas out of bounds", lambda o: o["kubernetes"]["worker"].update(replicas=2), "max_replicas"),
+    ("unfetchable source",
+     lambda o: _args(o).update(target={"name": "t", "source": "org/model"}),
+     "models.fetch: false"),
+])
+def test_render_refuses(case, change, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _render_with(change)
+
+
+def test_render_without_fetch_mounts_a_prefilled_volume():
+    serve_config, overlay = read_yaml(ROOT / "configs" / "serve.yaml"), read_yaml(OVERLAY)
+    overlay["kubernetes"]["models"]["fetch"] = False
+    _, service = k8s.render_manifest(serve_config, overlay)
+    spec = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert "initContainers" not in spec
+    assert spec["volumes"][0]["persistentVolumeClaim"]["readOnly"] is True
