@@ -147,6 +147,56 @@ def take_new_tokens(new: Sequence[int], generated: int, max_new_tokens: int, eos
     return kept, ("length" if generated + len(kept) >= max_new_tokens else None)
 
 
+def plan_proposers(names: Sequence[str], neural: Sequence[bool],
+                   options: SpeculationOptions) -> list[tuple[int, DraftSpec]]:
+    """The proposers a request uses, as (index into ``names``, draft spec); sampling is added later.
+
+    ``neural[i]`` tells whether proposer i is a model (sequence mode needs one). Raises
+    ValueError for unknown names. Example: names ("a", "ngram"), neural (True, False),
+    mode "sequence", depth 3 -> [(0, DraftSpec((1, 1, 1), "sampled"))].
+    """
+    unknown = set(options.proposers or ()) - set(names)
+    if unknown:
+        raise ValueError(f"unknown SSM name(s) {sorted(unknown)}; known: {list(names)}")
+    chosen = [i for i, name in enumerate(names) if options.proposers is None or name in options.proposers]
+    if options.mode == "incremental":
+        return []
+    if options.mode == "sequence":
+        models = [i for i in chosen if neural[i]]
+        if not models:
+            raise ValueError("sequence mode needs a neural SSM")
+        return [(models[0], DraftSpec((1,) * options.sequence_depth, "sampled"))]
+    schedule = fit_schedule(options.expansion, options.max_tree_nodes)
+    return [(i, DraftSpec(schedule, options.children)) for i in chosen]
+
+
+def step_tokens(proposal: Proposal, verdict: Verdict) -> list[int]:
+    """The tokens one verify step commits: the accepted path (root excluded), then next_token."""
+    return proposal.tree.tokens[list(verdict.path[1:])].tolist() + [verdict.next_token]
+
+
+def advance(text: TextStream, stats: GenerationStats, new: Sequence[int], max_new_tokens: int,
+            eos_ids) -> tuple[list[int], str, str | None]:
+    """Apply one step's tokens: cut at EOS / max_new_tokens, count them, detokenize.
+
+    Returns (kept tokens, text safe to show now, finish reason or None). A stop string ends
+    the request with "stop"; at the end the held-back text is flushed.
+    """
+    kept, reason = take_new_tokens(new, stats.new_tokens, max_new_tokens, eos_ids)
+    stats.new_tokens += len(kept)
+    chunk = text.push(kept)
+    if text.stopped:
+        reason = "stop"
+    if reason is not None:
+        chunk += text.finish()
+    return kept, chunk, reason
+
+
+def root_only_proposal(root: int) -> Proposal:
+    """A tree of just the root (incremental decoding: the target proposes its own next token)."""
+    return _root_only(root)
+
+
 class SpeculativeEngine:
     """In-process engine: one target and any number of proposers (SSMs and n-gram)."""
 
@@ -159,19 +209,8 @@ class SpeculativeEngine:
 
     def select(self, options: SpeculationOptions) -> list[tuple[ModelDrafter | NgramDrafter, DraftSpec | None]]:
         """The proposers a request uses, each with its draft spec (sampling added later)."""
-        chosen = [d for d in self.drafters if options.proposers is None or d.name in options.proposers]
-        unknown = set(options.proposers or ()) - set(self.names)
-        if unknown:
-            raise ValueError(f"unknown SSM name(s) {sorted(unknown)}; known: {self.names}")
-        if options.mode == "incremental":
-            return []
-        if options.mode == "sequence":
-            neural = [d for d in chosen if isinstance(d, ModelDrafter)]
-            if not neural:
-                raise ValueError("sequence mode needs a neural SSM")
-            return [(neural[0], DraftSpec((1,) * options.sequence_depth, "sampled"))]
-        schedule = fit_schedule(options.expansion, options.max_tree_nodes)
-        return [(d, DraftSpec(schedule, options.children)) for d in chosen]
+        neural = [isinstance(d, ModelDrafter) for d in self.drafters]
+        return [(self.drafters[i], spec) for i, spec in plan_proposers(self.names, neural, options)]
 
     def check_request(self, request: GenerationRequest) -> None:
         if not request.prompt_ids:
@@ -234,18 +273,11 @@ class _Session:
         self.stats.target_steps += 1
         self.stats.draft_tokens += proposal.tree.size - 1
         credit(self.stats, proposal, verdict, self.engine.names)
-        tokens = proposal.tree.tokens[list(verdict.path[1:])].tolist() + [verdict.next_token]
-        return self._emit(tokens)
+        return self._emit(step_tokens(proposal, verdict))
 
     def _emit(self, new: list[int]) -> StepUpdate:
-        kept, reason = take_new_tokens(new, self.stats.new_tokens, self.request.max_new_tokens, self.engine.eos_ids)
+        kept, chunk, reason = advance(self.text, self.stats, new, self.request.max_new_tokens, self.engine.eos_ids)
         self.committed.extend(kept)
-        self.stats.new_tokens += len(kept)
-        chunk = self.text.push(kept)
-        if self.text.stopped:
-            reason = "stop"
-        if reason is not None:
-            chunk += self.text.finish()
         self.finish_reason = reason
         self.stats.total_ms = (time.perf_counter() - self.started) * 1e3
         return StepUpdate(tuple(kept), chunk, reason, self.stats)

@@ -1,0 +1,37 @@
+"""Shared bits of the actors: process setup, vocabulary fingerprints, the TTL sweep interval."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.models import LoadedModel
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """What must match between the target and an SSM: vocab size and the token -> id map."""
+
+    size: int
+    digest: str
+
+
+def setup_process(torch_threads: int) -> None:
+    """Ray sets OMP_NUM_THREADS=1 in workers; take the configured thread count explicitly."""
+    torch.set_num_threads(torch_threads)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def vocabulary(loaded: LoadedModel) -> Vocabulary:
+    vocab = loaded.tokenizer.get_vocab()
+    digest = hashlib.sha256(json.dumps(sorted(vocab.items())).encode("utf-8")).hexdigest()
+    return Vocabulary(loaded.model.config.vocab_size, digest)
+
+
+def sweep_interval(ttl_s: float) -> float:
+    """Sweep a few times per TTL, but not more than once a second."""
+    return max(1.0, ttl_s / 4)

@@ -1,0 +1,80 @@
+"""Create, check and own the actors of one ingress replica."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import ray
+
+from cluster.config import ActorOptions, EngineConfig
+
+from .merge import MergeActor
+from .ssm import SSMActor
+from .verifier import TargetInfo, VerifierActor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ActorGroup:
+    """Handles to one replica's actors. ``names``: proposers in engine order (SSMs, then n-gram)."""
+
+    names: tuple[str, ...]
+    neural: tuple[bool, ...]
+    ssms: tuple  # ActorHandle per config.ssms entry
+    merge: object  # ActorHandle
+    verifier: object  # ActorHandle
+
+    def stateful(self) -> list:
+        return [*self.ssms, self.verifier]
+
+    def everyone(self) -> list:
+        return [*self.ssms, self.merge, self.verifier]
+
+    def release(self, request_id: str) -> None:
+        """Drop a request's state everywhere; fire and forget (safe inside a cancelled task)."""
+        for actor in self.stateful():
+            actor.release.remote(request_id)
+
+    def kill(self) -> None:
+        for actor in self.everyone():
+            ray.kill(actor, no_restart=True)
+
+
+def _options(options: ActorOptions, name: str, namespace: str | None) -> dict:
+    return {"name": name, "namespace": namespace, "num_cpus": options.num_cpus, "num_gpus": options.num_gpus,
+            "max_restarts": options.max_restarts, "max_concurrency": options.max_concurrency}
+
+
+def launch(config: EngineConfig, prefix: str, namespace: str | None = None) -> ActorGroup:
+    """Start the verifier, one actor per SSM and the merge actor, named ``{prefix}/...``.
+
+    Not detached: they belong to the caller (the ingress replica) and die with it.
+    """
+    server = config.server
+    verifier = ray.remote(VerifierActor).options(
+        **_options(config.verifier.actor, f"{prefix}/verifier", namespace)
+    ).remote(config, config.verifier.actor.torch_threads)
+    ssms = tuple(
+        ray.remote(SSMActor).options(**_options(server.ssm_actor, f"{prefix}/ssm/{ssm.name}", namespace))
+        .remote(config, index, server.ssm_actor.torch_threads)
+        for index, ssm in enumerate(config.ssms))
+    merge = ray.remote(MergeActor).options(**_options(server.merge_actor, f"{prefix}/merge", namespace)).remote(
+        config.ngram, len(config.ssms), server.merge_actor.torch_threads)
+    names = tuple([m.name for m in config.ssms] + ([config.ngram.name] if config.ngram else []))
+    neural = tuple([True] * len(config.ssms) + ([False] if config.ngram else []))
+    return ActorGroup(names, neural, ssms, merge, verifier)
+
+
+async def check_ready(group: ActorGroup) -> TargetInfo:
+    """Wait for every actor to load; check each SSM shares the target's vocabulary."""
+    info: TargetInfo = await group.verifier.ready.remote()
+    await group.merge.ready.remote()
+    for name, vocabulary in [await actor.ready.remote() for actor in group.ssms]:
+        if vocabulary != info.vocabulary:
+            raise ValueError(
+                f"SSM {name!r} (vocab {vocabulary.size}) does not share the vocabulary of target {info.name!r} "
+                f"(vocab {info.vocabulary.size}); speculative decoding needs one vocabulary")
+    logger.info("actors ready: target %s, proposers %s", info.name, list(group.names))
+    return info

@@ -1,0 +1,89 @@
+"""One request driven over the actors: prefill, then draft -> merge -> verify -> commit per step.
+
+The same steps as ``engine.generate._Session``, with each model call sent to its actor. All SSM
+actors of a step are called at once, so a step waits for the slowest SSM, not their sum; the
+proposals travel SSM -> merge actor -> verifier as object references.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import AsyncIterator
+
+from engine.draft import Proposal
+from engine.generate import (GenerationRequest, GenerationStats, StepUpdate, advance, credit, plan_proposers,
+                             root_only_proposal, step_tokens)
+from engine.text import TextStream
+
+from .group import ActorGroup
+
+CANCELLED = "cancelled"  # finish reason when an actor dropped the request (released or expired)
+
+
+class RemoteSession:
+    def __init__(self, group: ActorGroup, request: GenerationRequest, tokenizer, eos_ids, request_id: str):
+        self.group, self.request, self.request_id = group, request, request_id
+        self.eos_ids = frozenset(eos_ids)
+        plan = plan_proposers(group.names, group.neural, request.speculation)
+        specs = [(i, replace(spec, sampling=request.sampling)) for i, spec in plan]
+        self.ssm_specs = [(i, spec) for i, spec in specs if group.neural[i]]
+        self.ngram_spec = next((spec for i, spec in specs if not group.neural[i]), None)
+        self.stats = GenerationStats(mode=request.speculation.mode)
+        self.committed = list(request.prompt_ids)
+        self.text = TextStream(tokenizer, request.stop)
+        self.started = time.perf_counter()
+
+    async def updates(self) -> AsyncIterator[StepUpdate]:
+        """One update per target step; the last one has a finish reason. The caller releases."""
+        update = await self._prefill()
+        yield update
+        while update.finish_reason is None:
+            update = await self._step()
+            yield update
+
+    def release(self) -> None:
+        self.group.release(self.request_id)
+
+    async def _prefill(self) -> StepUpdate:
+        first = await self.group.verifier.prefill.remote(self.request_id, self.committed, self.request.sampling)
+        if first is None:
+            return self._cancelled()
+        self.stats.target_steps = 1
+        return self._emit([first])
+
+    async def _step(self) -> StepUpdate:
+        began = time.perf_counter()
+        proposal_ref = self._draft()
+        proposal: Proposal | None = await proposal_ref if not isinstance(proposal_ref, Proposal) else proposal_ref
+        if proposal is None:
+            return self._cancelled()
+        drafted = time.perf_counter()
+        verdict = await self.group.verifier.verify.remote(self.request_id, proposal_ref)
+        if verdict is None:
+            return self._cancelled()
+        self.stats.draft_ms += (drafted - began) * 1e3
+        self.stats.verify_ms += (time.perf_counter() - drafted) * 1e3
+        self.stats.target_steps += 1
+        self.stats.draft_tokens += proposal.tree.size - 1
+        credit(self.stats, proposal, verdict, self.group.names)
+        return self._emit(step_tokens(proposal, verdict))
+
+    def _draft(self):
+        """The merged proposal as an object reference (or, without proposers, the root alone)."""
+        if not self.ssm_specs and self.ngram_spec is None:
+            return root_only_proposal(self.committed[-1])
+        seed = self.request.sampling.seed
+        drafts = [self.group.ssms[i].draft.remote(self.request_id, self.committed, spec, seed)
+                  for i, spec in self.ssm_specs]
+        return self.group.merge.merge.remote(self.committed, self.ngram_spec, *drafts)
+
+    def _emit(self, new: list[int]) -> StepUpdate:
+        kept, chunk, reason = advance(self.text, self.stats, new, self.request.max_new_tokens, self.eos_ids)
+        self.committed.extend(kept)
+        self.stats.total_ms = (time.perf_counter() - self.started) * 1e3
+        return StepUpdate(tuple(kept), chunk, reason, self.stats)
+
+    def _cancelled(self) -> StepUpdate:
+        self.stats.total_ms = (time.perf_counter() - self.started) * 1e3
+        return StepUpdate((), self.text.finish(), CANCELLED, self.stats)

@@ -1,0 +1,81 @@
+"""The verifier actor: the target model and each request's KV cache, sampling and generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.build import load_configured
+from cluster.config import EngineConfig
+from engine.draft import Proposal
+from engine.generate import first_token, verify_tree
+from engine.models import eos_token_ids
+from engine.sampling import SamplingParams, make_generator
+from engine.target import TargetModel, TargetState
+from engine.verify import Verdict
+
+from .common import Vocabulary, setup_process, sweep_interval, vocabulary
+from .store import RequestStore, start_sweeper
+
+
+@dataclass
+class VerifyState:
+    target: TargetState
+    sampling: SamplingParams
+    generator: torch.Generator
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the ingress needs from the target: its tokenizer, EOS ids, context and vocabulary."""
+
+    name: str
+    tokenizer: object
+    eos_ids: frozenset[int]
+    max_context: int | None
+    vocabulary: Vocabulary
+
+
+class StateLost(RuntimeError):
+    """The verifier has no state for a request it never released (it was restarted)."""
+
+
+class VerifierActor:
+    def __init__(self, config: EngineConfig, torch_threads: int):
+        setup_process(torch_threads)
+        loaded = load_configured(config, config.target)
+        self.target = TargetModel(loaded.model)
+        self.info = TargetInfo(config.target.name, loaded.tokenizer, eos_token_ids(loaded),
+                               getattr(loaded.model.config, "max_position_embeddings", None), vocabulary(loaded))
+        self.store: RequestStore[VerifyState] = RequestStore(config.server.request_ttl_s)
+        self._stop_sweeper = start_sweeper(self.store, sweep_interval(config.server.request_ttl_s))
+
+    def ready(self) -> TargetInfo:
+        return self.info
+
+    def prefill(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
+        """Create the request's state, run the prompt, return the first token (None: released)."""
+        state = VerifyState(self.target.new_state(), sampling, make_generator(sampling.seed, 0))
+        if not self.store.put(request_id, state):
+            return None
+        logits = self.target.prefill(state.target, prompt_ids)  # [V]
+        return first_token(logits, sampling, state.generator)
+
+    def verify(self, request_id: str, proposal: Proposal) -> Verdict | None:
+        """One target forward over the tree, verification and commit; None once released."""
+        state = self.store.get(request_id)
+        if state is None:
+            if self.store.was_released(request_id):
+                return None
+            raise StateLost(f"verifier has no state for request {request_id} (was the actor restarted?)")
+        return verify_tree(self.target, state.target, proposal, state.sampling, state.generator)
+
+    def release(self, request_id: str) -> bool:
+        return self.store.release(request_id)
+
+    def sweep(self, max_idle_s: float | None = None) -> list[str]:
+        return self.store.sweep(max_idle_s)
+
+    def num_requests(self) -> int:
+        return len(self.store)

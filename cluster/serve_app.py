@@ -1,0 +1,173 @@
+"""The Ray Serve application ``specinfer``: a gRPC ingress over plain actors.
+
+The Serve gRPC proxy routes ``/specinfer.v1.SpecInfer/Generate`` and ``.../GenerateStream`` to
+the methods of the same name below (and the standard ``grpc.health.v1.Health/Check``). Each
+ingress replica owns its own verifier, SSM and merge actors (``actors.group``) and drives every
+request's step loop itself (``actors.session``). See docs/serving.md for the reasoning.
+
+    serve run configs/serve.yaml            # import_path: cluster.serve_app:app_builder
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from contextlib import aclosing, contextmanager
+from typing import AsyncIterator
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.grpc_util import RayServegRPCContext
+
+from actors.group import ActorGroup, check_ready, launch
+from actors.session import RemoteSession
+from actors.verifier import StateLost
+from engine.generate import StepUpdate
+from protos import specinfer_pb2 as pb
+
+from .build import speculation_options
+from .config import APP_NAME, EngineConfig
+from .serve_requests import InvalidArgument, ModelLimits, finish_reason, parse_request, stats_message
+
+logger = logging.getLogger(__name__)
+
+
+class Overloaded(RuntimeError):
+    """More requests in flight than server.max_concurrent_requests."""
+
+
+@contextmanager
+def grpc_status(context: RayServegRPCContext | None):
+    """Map exceptions to gRPC status codes on the Serve gRPC context, then re-raise.
+
+    Serve forwards a code set before raising (as ``gRPCStatusError``) to the client with its
+    details; it also logs the traceback, so the unary method answers the client's own mistakes
+    (bad argument, overload) by returning with the code set instead. Cancellation (client gone,
+    deadline passed) is a BaseException and passes through.
+    """
+    try:
+        yield
+    except InvalidArgument as error:
+        _set_status(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        raise
+    except Overloaded as error:
+        _set_status(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        raise
+    except (RayActorError, StateLost) as error:
+        _set_status(context, grpc.StatusCode.UNAVAILABLE, f"a model actor failed: {error}")
+        raise
+    except Exception as error:
+        logger.exception("request failed")
+        _set_status(context, grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+        raise
+
+
+def _set_status(context: RayServegRPCContext | None, code: grpc.StatusCode, details: str) -> None:
+    if context is not None:
+        context.set_code(code)
+        context.set_details(details)
+
+
+@serve.deployment(name="SpecInferIngress", ray_actor_options={"num_cpus": 0.1})
+class SpecInferIngress:
+    """Admission control, request checks, and one async step loop per request."""
+
+    async def __init__(self, config: EngineConfig):
+        torch.set_num_threads(1)  # the ingress only tokenizes and counts
+        self.config, self.base_options = config, speculation_options(config)
+        replica = serve.get_replica_context()
+        self.group: ActorGroup = launch(config, f"{APP_NAME}/{replica.replica_tag}")
+        info = await check_ready(self.group)
+        self.tokenizer, self.eos_ids = info.tokenizer, info.eos_ids
+        self.limits = ModelLimits(self.group.names, self.group.neural, info.max_context)
+        self.active = 0
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       grpc_context: RayServegRPCContext | None = None) -> pb.GenerateResponse:
+        text, token_ids, last = [], [], None
+        try:
+            async with aclosing(self._generate(request, grpc_context)) as updates:
+                async for update in updates:
+                    text.append(update.text)
+                    token_ids.extend(update.token_ids)
+                    last = update
+        except (InvalidArgument, Overloaded):
+            if grpc_context is None:
+                raise
+            return pb.GenerateResponse()  # the status set on grpc_context is the answer
+        return pb.GenerateResponse(text="".join(text), token_ids=token_ids,
+                                   finish_reason=finish_reason(last.finish_reason), stats=stats_message(last.stats))
+
+    async def GenerateStream(self, request: pb.GenerateRequest,
+                             grpc_context: RayServegRPCContext | None = None) -> AsyncIterator[pb.GenerateChunk]:
+        async with aclosing(self._generate(request, grpc_context)) as updates:  # closed even if abandoned
+            async for update in updates:
+                chunk = pb.GenerateChunk(text=update.text, token_ids=update.token_ids)
+                if update.finish_reason is not None:
+                    chunk.finish_reason = finish_reason(update.finish_reason)
+                    chunk.stats.CopyFrom(stats_message(update.stats))
+                yield chunk
+
+    async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
+        """grpc.health.v1: SERVING once the replica (and so every actor) is up."""
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def _generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[StepUpdate]:
+        """Admit, check, run; the request's state is released in every actor however it ends."""
+        with grpc_status(context), self._admitted():
+            parsed = parse_request(request, self.config, self.base_options, self.tokenizer, self.limits)
+            session = RemoteSession(self.group, parsed, self.tokenizer, self.eos_ids, uuid.uuid4().hex)
+            logger.info("request %s: %d prompt tokens, max_new_tokens %d, mode %s", session.request_id,
+                        len(parsed.prompt_ids), parsed.max_new_tokens, parsed.speculation.mode)
+            try:
+                async for update in session.updates():
+                    yield update
+            finally:
+                session.release()
+
+    @contextmanager
+    def _admitted(self):
+        limit = self.config.server.max_concurrent_requests
+        if self.active >= limit:
+            raise Overloaded(f"server busy: {self.active} requests in flight, server.max_concurrent_requests "
+                             f"is {limit}; retry later")
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+
+    def num_active(self) -> int:
+        """Requests in flight on this replica (for tests and metrics)."""
+        return self.active
+
+    def actors(self) -> dict:
+        """This replica's actor handles by role (for tests): verifier, merge, ssm/<name>."""
+        handles = {"verifier": self.group.verifier, "merge": self.group.merge}
+        handles.update({f"ssm/{name}": actor for name, actor in zip(self.group.names, self.group.ssms)})
+        return handles
+
+    def __del__(self):
+        group = getattr(self, "group", None)
+        if group is not None:
+            try:
+                group.kill()
+            except Exception:  # Ray may already be shutting down
+                pass
+
+
+def app_builder(args: dict) -> serve.Application:
+    """Serve application builder: ``args`` is the engine config (configs/default.yaml's fields).
+
+    The deployment accepts more requests than server.max_concurrent_requests so that our own
+    admission control, not Serve's queue, answers overload (RESOURCE_EXHAUSTED).
+    """
+    config = EngineConfig.model_validate(args or {})
+    limit = config.server.max_concurrent_requests
+    return SpecInferIngress.options(max_ongoing_requests=4 * limit + 16).bind(config)

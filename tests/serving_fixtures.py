@@ -1,0 +1,162 @@
+"""Fixtures for the serving tests: tiny random models on disk and one Ray Serve app per session.
+
+Imported by tests/test_serving.py (``from serving_fixtures import *``-style explicit imports);
+nothing here is collected as a test.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SPECIALS = ["<|system|>", "<|user|>", "<|assistant|>"]
+CONTEXT = 512
+
+
+def save_tokenizer(directory: Path):
+    """A byte-level tokenizer with no merges: every byte is a token, any text round-trips.
+
+    No EOS token, so generation always runs to max_new_tokens (deterministic lengths).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=CHAT_TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS})
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def save_tiny_llama(directory: Path, vocab_size: int, hidden: int, layers: int, heads: int, seed: int) -> None:
+    """A random Llama in fp32. A large init spreads the logits, so greedy argmax has no near-ties."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                         max_position_embeddings=CONTEXT, initializer_range=0.2, tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float().eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    model.save_pretrained(directory)
+
+
+def make_tiny_models(root: Path) -> dict[str, Path]:
+    """Target (2 layers) and an independent SSM (1 layer), each with the same byte tokenizer."""
+    paths = {"target": root / "tiny-target", "ssm-a": root / "tiny-ssm-a"}
+    for path in paths.values():
+        path.mkdir(parents=True, exist_ok=True)
+    vocab_size = len(save_tokenizer(paths["target"]))
+    save_tokenizer(paths["ssm-a"])
+    save_tiny_llama(paths["target"], vocab_size, hidden=64, layers=2, heads=4, seed=1)
+    save_tiny_llama(paths["ssm-a"], vocab_size, hidden=32, layers=1, heads=2, seed=2)
+    return paths
+
+
+def engine_args(paths: dict[str, Path], **server) -> dict:
+    """Engine config (the Serve app's args): two SSMs (an independent tiny model and the target's
+    first layer) plus n-gram; small fractional actors with one torch thread each."""
+    actor = {"num_cpus": 0.25, "torch_threads": 1, "max_concurrency": 8}
+    return {
+        "models_dir": str(paths["target"].parent), "dtype": "float32", "torch_threads": 1,
+        "target": {"name": "tiny-target", "source": str(paths["target"])},
+        "ssms": [{"name": "ssm-a", "source": str(paths["ssm-a"])},
+                 {"name": "ssm-b", "source": str(paths["target"]), "num_layers": 1}],
+        "ngram": {"name": "ngram"},
+        "speculation": {"mode": "tree", "expansion": [2, 2, 1], "max_tree_nodes": 32},
+        "defaults": {"max_new_tokens": 24},
+        "verifier": {"actor": actor},
+        "server": {"max_concurrent_requests": 2, "max_new_tokens_limit": 400, "request_ttl_s": 600.0,
+                   "ssm_actor": actor, "merge_actor": {**actor, "num_cpus": 0.1}, **server},
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_config(args: dict, grpc_port: int, http_port: int) -> dict:
+    """configs/serve.yaml with the test's engine args and ports."""
+    from cluster.cli_serve import load_serve_config
+
+    config = load_serve_config(Path(__file__).resolve().parent.parent / "configs" / "serve.yaml")
+    config["http_options"]["port"] = http_port
+    config["grpc_options"]["port"] = grpc_port
+    config["applications"][0]["args"] = args
+    return config
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_tiny_models(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_args(tiny_models) -> dict:
+    return engine_args(tiny_models)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray node on 127.0.0.1 with a capped object store, or the one another module started.
+
+    Yields True when this fixture started Ray (and so shuts it down at the end).
+    """
+    import ray
+
+    from cluster.cli_serve import start_local_ray
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    owns = not ray.is_initialized()
+    if owns:
+        start_local_ray(num_cpus=4, object_store_memory=200 * 2**20)
+    yield owns
+    if owns:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serving(ray_session, tiny_args):
+    """Serve + the specinfer app on tiny models, once per session; yields the gRPC address."""
+    from ray import serve
+
+    from cluster.cli_serve import deploy
+    from cluster.serve_client import Client
+
+    try:
+        address = deploy(serve_config(tiny_args, free_port(), free_port()))
+        with Client(address) as client:
+            client.wait_ready(120)
+        yield address
+    finally:
+        serve.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ingress(serving):
+    """A Serve handle on the ingress deployment (for num_active() and actors())."""
+    from ray import serve
+
+    return serve.get_app_handle("specinfer")
+
+
+@pytest.fixture(scope="session")
+def local_engine(tiny_args):
+    """The in-process engine on the same config (the reference for every served output)."""
+    from cluster.build import build_engine
+    from cluster.config import EngineConfig
+
+    return build_engine(EngineConfig.model_validate(tiny_args))
