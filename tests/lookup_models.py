@@ -1,0 +1,150 @@
+"""Exact toy language models for distribution tests, and the chi-square helper they share.
+
+A ``LookupLM`` is a second-order Markov "language model": its next-token logits are a fixed
+random table indexed by the last two tokens, so p and q are known exactly and the exact
+distribution of any output prefix can be enumerated. ``LookupDrafter`` is the real
+``ModelDrafter`` drafting loop (choose_children, _Builder, level by level) with the SSM
+forward replaced by a table look-up. ``tiny_llama`` / ``tiny_tokenizer`` build a real random
+Llama and a word-level tokenizer over its vocabulary for end-to-end and CLI tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Sequence
+
+import numpy as np
+import torch
+from scipy.stats import chisquare
+
+from engine.draft import ModelDrafter
+from engine.sampling import SamplingParams, warp
+from engine.tree import TokenTree
+
+
+class LookupLM:
+    """Next-token logits as a function of the last two tokens: ``table[prev, last]``."""
+
+    def __init__(self, vocab: int, seed: int, scale: float = 2.5, base: "LookupLM | None" = None,
+                 mix: float = 0.0, temperature: float = 1.0):
+        """Random sharp logits (std ``scale``); with ``base``, ``mix`` of base's logits plus fresh
+        noise, all divided by ``temperature`` (so a draft model can be correlated with the target
+        yet markedly different)."""
+        generator = torch.Generator().manual_seed(seed)
+        noise = torch.randn(vocab, vocab, vocab, generator=generator) * scale
+        logits = noise if base is None else mix * base.table + (1.0 - mix) * noise
+        self.table = logits / temperature  # [V, V, V]
+        self.vocab = vocab
+
+    def probs(self, params: SamplingParams) -> torch.Tensor:  # -> [V, V, V]
+        """The warped next-token distribution for every (prev, last) context, in float64 (renormalised)."""
+        probs = warp(self.table, params).double()
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def node_contexts(tree: TokenTree, committed: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:  # -> [N], [N]
+    """(previous token, token) at every node: the context its next-token distribution sees."""
+    tokens = tree.tokens
+    prev = tokens[tree.parents.clamp(min=0)].clone()
+    prev[0] = committed[-2]
+    return prev, tokens
+
+
+class LookupDrafter(ModelDrafter):
+    """ModelDrafter's own ``draft`` loop; the SSM forward is a table look-up (no KV cache)."""
+
+    def __init__(self, lm: LookupLM, proposer: int, name: str):
+        super().__init__(model=None, proposer=proposer, name=name)
+        self.lm = lm
+
+    def new_state(self):
+        return SimpleNamespace(layers=[])  # kv.crop over no layers is a no-op
+
+    def _extend(self, cache, committed: list[int]) -> torch.Tensor:  # -> [V]
+        return self.lm.table[committed[-2], committed[-1]]
+
+    def _forward_level(self, cache, builder, level, *_) -> torch.Tensor:  # -> [F, V]
+        """Logits at each node of ``level`` (tree node indices), from its (parent, own) tokens."""
+        prev = [builder.tokens[builder.parents[n]] for n in level]
+        last = [builder.tokens[n] for n in level]
+        return self.lm.table[prev, last]
+
+
+def prefix_distribution(probs: torch.Tensor, context: Sequence[int], length: int) -> np.ndarray:
+    """Exact probability of every output prefix of ``length`` tokens (1 to 3) under ``probs``.
+
+    probs: # [V, V, V] next-token distribution given (prev, last). Returns an array [V] * length.
+    """
+    a, b = context[-2], context[-1]
+    joint = probs[a, b]  # [V]
+    if length >= 2:
+        joint = joint[:, None] * probs[b]  # [V, V]: p(x1) p(x2 | b, x1)
+    if length >= 3:
+        joint = joint[:, :, None] * probs  # [V, V, V]: ... p(x3 | x1, x2)
+    return joint.numpy()
+
+
+@dataclass(frozen=True)
+class ChiSquare:
+    statistic: float
+    pvalue: float
+    cells: int  # after pooling
+    pooled: int  # cells folded into the pooled bin
+    samples: int
+
+
+def chi_square(samples: Sequence[Sequence[int]], expected_probs: np.ndarray) -> ChiSquare:
+    """Pearson chi-square of sampled sequences against an exact distribution over sequences.
+
+    Cells with expected count < 5 are pooled into one bin (grown from the smallest cells until
+    it reaches 5). A sample in a cell of exact probability 0 gives p-value 0.
+    """
+    n = len(samples)
+    observed = np.zeros(expected_probs.shape, dtype=np.int64)
+    np.add.at(observed, tuple(np.asarray(samples).T), 1)
+    expected_probs, observed = expected_probs.ravel(), observed.ravel()
+    if observed[expected_probs <= 0].any():
+        return ChiSquare(float("inf"), 0.0, 0, 0, n)
+    expected = expected_probs / expected_probs.sum() * n
+    order = np.argsort(expected)
+    small = int(np.searchsorted(expected[order], 5.0))
+    while small < len(order) and 0 < expected[order[:small]].sum() < 5.0:
+        small += 1
+    big = order[small:]
+    obs = np.append(observed[big], observed[order[:small]].sum())
+    exp = np.append(expected[big], expected[order[:small]].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    if len(obs) < 2:
+        raise ValueError("fewer than two cells after pooling: nothing to test")
+    result = chisquare(obs, exp)
+    return ChiSquare(float(result.statistic), float(result.pvalue), len(obs), small, n)
+
+
+def tiny_llama(vocab: int, seed: int, layers: int = 1, hidden: int = 32, sharpness: float = 0.3):
+    """A float32 random Llama in eval mode; lm_head std ``sharpness`` makes its logits sharp."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, sharpness, generator=torch.Generator().manual_seed(seed))
+    return model
+
+
+def tiny_tokenizer(vocab: int):
+    """A word-level fast tokenizer: token i is the word ``w{i}``; words split on whitespace."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab)}
+    backend = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
