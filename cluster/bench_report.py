@@ -1,0 +1,236 @@
+"""Reports for `specinfer bench` and `specinfer experiment`: markdown tables and PNG plots.
+
+Plots use matplotlib's Agg backend (no display needed); without matplotlib they are skipped with
+a warning and the markdown still lists every figure.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Sequence
+
+logger = logging.getLogger(__name__)
+
+PLOTS = ("speedup", "accepted_lengths", "acceptance_by_depth", "proposer_share")
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _cell(summary: dict, key: str, digits: int = 2) -> str:
+    """``median (p25-p75)`` of one summary figure."""
+    spread = (summary.get("spread") or {}).get(key)
+    if summary.get(key) is None:
+        return "n/a"
+    if not spread:
+        return _num(summary[key], digits)
+    return f"{_num(summary[key], digits)} ({_num(spread['p25'], digits)}-{_num(spread['p75'], digits)})"
+
+
+def _match_cell(summary: dict) -> str:
+    fraction = summary.get("outputs_match_incremental")
+    if fraction is None:
+        return "n/a"
+    diverged = [i for i in summary["first_divergence"].values() if i is not None]
+    note = f"; first divergence at token {min(diverged)}" if diverged else ""
+    return f"{fraction:.0%}{note}"
+
+
+def _drafted(summary: dict) -> bool:
+    """A speculative engine method (it has per-proposer counts and drafts with someone)."""
+    return summary.get("accepted_per_proposer") is not None and bool(summary.get("proposers"))
+
+
+def summary_table(summary: dict) -> list[str]:
+    """The main table: one row per method, medians over prompts with the p25-p75 spread."""
+    lines = ["| method | prompts | tokens / step | ms / token | speedup vs incremental | mean accepted / step "
+             "| output = incremental |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for method, s in summary.items():
+        lines.append(f"| `{method}` | {s['prompts']} | {_cell(s, 'tokens_per_step')} | {_cell(s, 'ms_per_token', 1)} "
+                     f"| {_cell(s, 'speedup_vs_incremental')} | {_num(s.get('mean_accepted_per_step'))} "
+                     f"| {_match_cell(s)} |")
+    return lines
+
+
+def proposer_table(summary: dict) -> list[str]:
+    """Share of accepted tokens credited to each proposer (a token proposed by several credits each)."""
+    rows = [(m, s) for m, s in summary.items() if _drafted(s)]
+    names = sorted({n for _, s in rows for n in s["proposers"]})
+    if not rows:
+        return []
+    lines = ["| method | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for method, s in rows:
+        used = s["proposers"]
+        lines.append(f"| `{method}` | " + " | ".join(
+            f"{s['proposer_share'].get(n, 0.0):.0%}" if n in used else "-" for n in names) + " |")
+    return lines
+
+
+def write_markdown(path: Path, results: dict, plots: Sequence[Path] = ()) -> None:
+    run, env = results["settings"], results["environment"]
+    sampling = run["sampling"]
+    decoding = "greedy" if not sampling["temperature"] else (
+        f"temperature {sampling['temperature']}, top-p {sampling['top_p']}, top-k {sampling['top_k']}, "
+        f"seed {sampling['seed']}")
+    lines = [f"# Benchmark: {run['dataset']}", "",
+             f"`{run['config']}` ({run['dtype']}), {run['num_prompts']} prompts, up to {run['max_new_tokens']} new "
+             f"tokens, {decoding}, {'gRPC ' + run['via'] if run['via'] else 'in-process'}; proposers "
+             f"{', '.join(run['proposers']) or 'none'}, default schedule {run['expansion']}.",
+             f"Machine: {env['processor']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
+             f"torch threads {env['torch_threads']}, transformers {env['transformers']}; {env['time']}.", "",
+             "Medians over prompts, p25-p75 in brackets. ms / token is wall time (prefill included) / new "
+             "tokens; speedup is the median of per-prompt ratios to `incremental` on the same prompt.", "",
+             *summary_table(results["summary"]), ""]
+    shares = proposer_table(results["summary"])
+    if shares:
+        lines += ["Share of accepted tokens credited to each proposer:", "", *shares, ""]
+    lines += ["Outputs equal `incremental` token for token in float32; in bfloat16 (and when sampling) they may "
+              "drift apart by rounding, so a match below 100% there is expected.", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in plots]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------------------------
+# Plots
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plots (pip install matplotlib)")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_speedup(plt, results: dict, path: Path) -> bool:
+    data = {m: [r["speedup_vs_incremental"] for r in results["per_prompt"]
+                if r["method"] == m and r["speedup_vs_incremental"] is not None] for m in results["summary"]}
+    data = {m: v for m, v in data.items() if v}
+    if not data:
+        return False
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(data)), 4))
+    ax.boxplot(list(data.values()), tick_labels=list(data), showfliers=True)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_ylabel("speedup vs incremental (per prompt)")
+    ax.set_title(f"Speedup per method: {results['settings']['dataset']}")
+    ax.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_accepted_lengths(plt, results: dict, path: Path) -> bool:
+    """Fraction of verify steps that accepted L draft tokens, per speculative method."""
+    data = {m: s["accepted_length_histogram"] for m, s in results["summary"].items()
+            if s.get("accepted_length_histogram") and m != "incremental" and sum(s["accepted_length_histogram"])}
+    if not data:
+        return False
+    longest = max(len(h) for h in data.values())
+    width = 0.8 / len(data)
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.6 * longest * len(data) ** 0.5), 4))
+    for index, (method, counts) in enumerate(data.items()):
+        total = sum(counts)
+        ax.bar([x + index * width for x in range(len(counts))], [c / total for c in counts], width, label=method)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(longest)], [str(x) for x in range(longest)])
+    ax.set_xlabel("draft tokens accepted in one verify step")
+    ax.set_ylabel("fraction of verify steps")
+    ax.set_title("Accepted length per verify step")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_acceptance_by_depth(plt, results: dict, path: Path) -> bool:
+    """Fraction of verify steps whose accepted path reaches tree depth d."""
+    data = {m: s["acceptance_by_depth"] for m, s in results["summary"].items() if s.get("acceptance_by_depth")}
+    if not data:
+        return False
+    deepest = max(len(rates) for rates in data.values())
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, rates in data.items():  # depths no accepted token reached are 0
+        ax.plot(range(1, deepest + 1), [*rates, *[0.0] * (deepest - len(rates))], marker="o", label=method)
+    ax.set_xticks(range(1, deepest + 1))
+    ax.set_xlabel("tree depth")
+    ax.set_ylabel("fraction of verify steps accepting that depth")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Acceptance by tree depth")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_proposer_share(plt, results: dict, path: Path) -> bool:
+    """Per method, the share of accepted tokens each proposer had proposed."""
+    data = {m: s["proposer_share"] for m, s in results["summary"].items() if _drafted(s)}
+    names = sorted({n for m in data for n in results["summary"][m]["proposers"]})
+    if not data:
+        return False
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(data)), 4))
+    for index, name in enumerate(names):
+        ax.bar([x + index * width for x in range(len(data))], [data[m].get(name, 0.0) for m in data], width,
+               label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(data))], list(data), rotation=20)
+    ax.set_ylabel("share of accepted tokens proposed")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Per-SSM contribution")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_plots(out: Path, results: dict) -> list[Path]:
+    """speedup.png, accepted_lengths.png, acceptance_by_depth.png, proposer_share.png (those with data)."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    drawers = {"speedup": plot_speedup, "accepted_lengths": plot_accepted_lengths,
+               "acceptance_by_depth": plot_acceptance_by_depth, "proposer_share": plot_proposer_share}
+    written = []
+    for name in PLOTS:
+        path = out / f"{name}.png"
+        if drawers[name](plt, results, path):
+            written.append(path)
+    return written
+
+
+# ----------------------------------------------------------------------------------------------
+# Experiment
+
+
+def experiment_markdown(rows: Sequence[dict], title: str, proposers: Sequence[str]) -> str:
+    """One table over datasets x SSM subsets x schedules; shares are of accepted tokens."""
+    lines = [f"# Experiment: {title}", "",
+             "Medians over prompts; speedup is the median per-prompt ratio to `incremental` on the same prompt. "
+             "A proposer's share is the fraction of accepted tokens it had proposed (a token several proposers "
+             "proposed credits each, so shares may add up to more than 100%).", "",
+             "| dataset | SSMs | schedule | prompts | tokens / step | ms / token | speedup | output = incremental | "
+             + " | ".join(f"share {n}" for n in proposers) + " |",
+             "|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(proposers)]
+    for r in rows:
+        shares = r.get("proposer_share") or {}
+        schedule = "-".join(map(str, r["schedule"])) or "-"
+        lines.append(
+            f"| {r['dataset']} | {', '.join(r['ssms']) or '(incremental)'} | {schedule} "
+            f"| {r['prompts']} | {_num(r['tokens_per_step'])} | {_num(r['ms_per_token'], 1)} "
+            f"| {_num(r['speedup_vs_incremental'])} | {_pct(r['outputs_match_incremental'])} | "
+            + " | ".join(_pct(shares.get(n, 0.0)) if n in r["ssms"] else "-" for n in proposers) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"

@@ -1,0 +1,87 @@
+"""`specinfer bench` and `specinfer experiment`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from engine.sampling import SamplingParams
+
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def add_parsers(subparsers) -> None:
+    from .bench import GREEDY_METHODS, SAMPLED_METHODS, SPELLINGS
+
+    bench = subparsers.add_parser(
+        "bench", help="compare decoding methods on a workload (resumable)",
+        description="Run decoding methods interleaved prompt by prompt in one process; write OUT/rows.jsonl "
+                    "(resumable), OUT/results.json, OUT/results.md and PNG plots.")
+    bench.add_argument("--config", required=True, help="engine config or Serve config (YAML)")
+    bench.add_argument("--dataset", default="humaneval", help="humaneval, sharegpt, or a .jsonl file with a 'prompt' "
+                                                              "field and an optional 'id' (default: humaneval)")
+    bench.add_argument("--num-prompts", type=int, default=20)
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--methods", default=None,
+                       help=f"comma-separated: {SPELLINGS}. Default: {','.join(GREEDY_METHODS)}; with "
+                            f"--temperature > 0: {','.join(SAMPLED_METHODS)}")
+    bench.add_argument("--out", type=Path, required=True, help="output directory (rerun to resume)")
+    bench.add_argument("--dtype", choices=DTYPES, default=None, help="override the config's dtype")
+    bench.add_argument("--via", nargs=2, metavar=("grpc", "ADDRESS"), default=None,
+                       help="run against a running server (e.g. --via grpc 127.0.0.1:9000)")
+    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    bench.add_argument("--top-p", type=float, default=1.0)
+    bench.add_argument("--top-k", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts (default 1024)")
+    bench.add_argument("--warmup-tokens", type=int, default=16,
+                       help="tokens of the one unrecorded warm-up generation per method (0: none)")
+    bench.set_defaults(handler=run_bench_command)
+
+    experiment = subparsers.add_parser(
+        "experiment", help="SSM subsets x schedules x datasets (configs/experiments/*.yaml)",
+        description="Run an experiment file: every SSM subset with every expansion schedule on every dataset, "
+                    "against incremental decoding; write OUT/experiment.md and OUT/experiment.json.")
+    experiment.add_argument("--config", required=True, help="experiment file (YAML)")
+    experiment.add_argument("--out", type=Path, default=None, help="default: the file's 'out'")
+    experiment.add_argument("--dtype", choices=DTYPES, default=None)
+    experiment.add_argument("--datasets", default=None, help="comma-separated; overrides the file's datasets")
+    experiment.add_argument("--num-prompts", type=int, default=None)
+    experiment.add_argument("--max-new-tokens", type=int, default=None)
+    experiment.set_defaults(handler=run_experiment_command)
+
+
+def bench_settings(args: argparse.Namespace):
+    from .bench import GREEDY_METHODS, SAMPLED_METHODS, BenchSettings
+
+    if args.via and args.via[0] != "grpc":
+        raise ValueError(f"--via takes 'grpc ADDRESS', got {' '.join(args.via)!r}")
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    default = GREEDY_METHODS if sampling.greedy else SAMPLED_METHODS
+    methods = tuple(args.methods.split(",")) if args.methods else default
+    return BenchSettings(config=args.config, dataset=args.dataset, out=args.out, methods=methods,
+                         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+                         sampling=sampling, via=args.via[1] if args.via else None,
+                         max_prompt_tokens=args.max_prompt_tokens, warmup_tokens=args.warmup_tokens)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    settings = bench_settings(args)
+    run_bench(settings)
+    print((settings.out / "results.md").read_text(encoding="utf-8"))
+    print(f"wrote {settings.out}/results.json, results.md, rows.jsonl and plots")
+    return 0
+
+
+def run_experiment_command(args: argparse.Namespace) -> int:
+    from .experiment import load_experiment, run_experiment
+
+    overrides = {k: v for k, v in (("num_prompts", args.num_prompts), ("max_new_tokens", args.max_new_tokens),
+                                   ("datasets", args.datasets.split(",") if args.datasets else None)) if v is not None}
+    out = args.out or Path(load_experiment(args.config).out)
+    run_experiment(args.config, out=out, dtype=args.dtype, **overrides)
+    print((out / "experiment.md").read_text(encoding="utf-8"))
+    print(f"wrote {out}/experiment.json and experiment.md")
+    return 0

