@@ -25,6 +25,7 @@ def model_spec(config: EngineConfig, model: ModelConfig) -> ModelSpec:
         trust_remote_code=model.trust_remote_code,
         gguf_file=model.gguf_file,
         revision=model.revision,
+        device=config.device,
     )
 
 
@@ -46,7 +47,8 @@ def set_threads(threads: int | None) -> None:
 def speculation_options(config: EngineConfig) -> SpeculationOptions:
     s = config.speculation
     return SpeculationOptions(mode=s.mode, expansion=tuple(s.expansion), sequence_depth=s.sequence_depth,
-                              children=s.children, max_tree_nodes=s.max_tree_nodes)
+                              children=s.children, max_tree_nodes=s.max_tree_nodes,
+                              min_confidence=s.min_confidence)
 
 
 def build_engine(config: EngineConfig) -> SpeculativeEngine:

@@ -50,6 +50,7 @@ class SpeculationConfig(_Strict):
     sequence_depth: int = Field(default=4, ge=1, le=32)
     children: Literal["top_k", "sampled", "sampled_without_replacement"] = "top_k"
     max_tree_nodes: int = Field(default=64, ge=1, le=1024)
+    min_confidence: float = Field(default=0.0, ge=0.0, le=1.0, description="dynamic tree threshold")
 
     @field_validator("expansion")
     @classmethod
@@ -94,6 +95,7 @@ class EngineConfig(_Strict):
 
     models_dir: str = "~/.cache/specinfer/models"
     dtype: Dtype = "bfloat16"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     torch_threads: int | None = Field(default=None, ge=1)
     target: ModelConfig
     ssms: list[ModelConfig] = Field(default_factory=list)

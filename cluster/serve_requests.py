@@ -6,7 +6,7 @@ No Ray here: the ingress (``cluster.serve_app``) calls these around its actor ca
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.generate import GenerationRequest, GenerationStats, SpeculationOptions, plan_proposers
 from engine.sampling import SamplingParams
@@ -75,10 +75,9 @@ def speculation_options(request: pb.GenerateRequest, base: SpeculationOptions,
     unknown = sorted(set(s.ssms) - set(limits.names))
     if unknown:
         raise InvalidArgument("speculation.ssms", f"unknown SSM name(s) {unknown}; known: {list(limits.names)}")
-    options = SpeculationOptions(
-        mode=MODES.get(s.mode, base.mode), expansion=expansion, sequence_depth=depth,
-        children=CHILDREN.get(s.children, base.children), proposers=tuple(s.ssms) or base.proposers,
-        max_tree_nodes=base.max_tree_nodes)
+    options = replace(
+        base, mode=MODES.get(s.mode, base.mode), expansion=expansion, sequence_depth=depth,
+        children=CHILDREN.get(s.children, base.children), proposers=tuple(s.ssms) or base.proposers)
     try:
         plan_proposers(limits.names, limits.neural, options)
     except ValueError as error:

@@ -172,8 +172,9 @@ class ModelDrafter:
         """Feed the committed tokens the cache lacks (at least the root); logits after the root."""
         start = min(kv.cache_length(cache), len(committed) - 1)
         kv.crop(cache, start)
-        ids = torch.tensor([committed[start:]], dtype=torch.long)
-        return self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1].float()
+        ids = torch.tensor([committed[start:]], dtype=torch.long, device=self.model.device)
+        out = self.model(input_ids=ids, **kv.cache_argument(self.model, cache), use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float().cpu()
 
     def _forward_level(
         self, cache: DynamicCache, builder: _Builder, level: list[int], cached: list[int], depth: int,
@@ -187,12 +188,12 @@ class ModelDrafter:
         parents = torch.tensor(builder.parents, dtype=torch.long)
         visible = ancestor_mask(parents)[level][:, cached + level]  # [F, K]
         bias = attention_bias(visible, committed_length, self.model.dtype)
-        ids = torch.tensor([[builder.tokens[n] for n in level]], dtype=torch.long)
+        device = self.model.device
+        ids = torch.tensor([[builder.tokens[n] for n in level]], dtype=torch.long, device=device)
         position_ids = torch.full_like(ids, committed_length - 1 + depth)
-        out = self.model(
-            input_ids=ids, attention_mask=bias, position_ids=position_ids, past_key_values=cache, use_cache=True
-        )
-        return out.logits[0].float()
+        out = self.model(input_ids=ids, attention_mask=bias.to(device), position_ids=position_ids,
+                         **kv.cache_argument(self.model, cache), use_cache=True)
+        return out.logits[0].float().cpu()
 
 
 class NgramDrafter:

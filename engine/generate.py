@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Sequence
 
 import torch
@@ -29,12 +29,15 @@ class SpeculationOptions:
     children: str = "top_k"
     proposers: tuple[str, ...] | None = None
     max_tree_nodes: int = 64
+    min_confidence: float = 0.0  # dynamic tree: expand a node only above this SSM path probability
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.sequence_depth < 1 or self.max_tree_nodes < 1:
             raise ValueError("sequence_depth and max_tree_nodes must be >= 1")
+        if not 0.0 <= self.min_confidence <= 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1], got {self.min_confidence}")
 
 
 @dataclass(frozen=True)
@@ -109,9 +112,9 @@ def verify_tree(
     prefix = state.length
     logits = target.forward_tree(state, proposal.tree)  # [N, V]
     if sampling.greedy:
-        verdict = verify_greedy(proposal.tree, logits.argmax(dim=-1))
+        verdict = verify_greedy(proposal.tree, logits.argmax(dim=-1).cpu())
     else:
-        verdict = verify_stochastic(proposal, warp(logits, sampling), generator)
+        verdict = verify_stochastic(proposal, warp(logits, sampling).cpu(), generator)
     target.commit(state, prefix, verdict.path)
     return verdict
 
@@ -167,7 +170,7 @@ def plan_proposers(names: Sequence[str], neural: Sequence[bool],
             raise ValueError("sequence mode needs a neural SSM")
         return [(models[0], DraftSpec((1,) * options.sequence_depth, "sampled"))]
     schedule = fit_schedule(options.expansion, options.max_tree_nodes)
-    return [(i, DraftSpec(schedule, options.children)) for i in chosen]
+    return [(i, DraftSpec(schedule, options.children, min_confidence=options.min_confidence)) for i in chosen]
 
 
 def step_tokens(proposal: Proposal, verdict: Verdict) -> list[int]:
@@ -247,7 +250,7 @@ class _Session:
         self.started = time.perf_counter()
         self.stats = GenerationStats(mode=request.speculation.mode)
         self.proposers = [
-            (drafter, drafter.new_state(), DraftSpec(spec.schedule, spec.children, request.sampling),
+            (drafter, drafter.new_state(), replace(spec, sampling=request.sampling),
              make_generator(request.sampling.seed, engine.drafters.index(drafter) + 1))
             for drafter, spec in engine.select(request.speculation)
         ]

@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import inspect
+from functools import lru_cache
+
 import torch
 from transformers import DynamicCache
+
+
+@lru_cache(maxsize=None)
+def _cache_parameter(model_class: type) -> str:
+    """transformers renamed ``past_key_values`` to ``cache`` (deprecated alias until 5.40)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_argument(model, cache: DynamicCache) -> dict:
+    """The keyword argument that passes ``cache`` to ``model``'s forward."""
+    return {_cache_parameter(type(model)): cache}
 
 
 def cache_length(cache: DynamicCache) -> int:
@@ -30,7 +44,7 @@ def keep_path(cache: DynamicCache, prefix_length: int, path: list[int]) -> None:
     moved = [i for i, node in enumerate(path) if node != i]
     if moved:
         first = moved[0]
-        source = torch.tensor(path[first:]) + prefix_length
+        source = torch.tensor(path[first:], device=cache.layers[0].keys.device) + prefix_length
         target = slice(prefix_length + first, prefix_length + len(path))
         for layer in cache.layers:
             layer.keys[..., target, :] = layer.keys[..., source, :]

@@ -28,6 +28,7 @@ class ModelSpec:
     trust_remote_code: bool = False
     gguf_file: str | None = None
     revision: str | None = None
+    device: str = "auto"  # "auto": CUDA when available (a Ray actor sees its own GPU as cuda:0)
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,17 @@ def load_model(spec: ModelSpec, attn_implementation: str = "sdpa") -> LoadedMode
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=DTYPES[spec.dtype], attn_implementation=attn_implementation, **kwargs
     )
-    model.eval()
+    model.to(resolve_device(spec.device)).eval()
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device)
 
 
 def check_same_vocabulary(target: LoadedModel, other: LoadedModel) -> None:
@@ -125,5 +134,7 @@ def truncate_layers(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
 def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
     """Dynamic int8 quantization of the linear layers (CPU): a faster SSM; verification keeps
     the output exact whatever the SSM proposes."""
+    if model.device.type != "cpu":
+        raise ValueError("int8 dynamic quantization runs on CPU only; use a bf16 SSM on GPUs")
     model = model.float()
     return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)

@@ -32,9 +32,9 @@ class TargetModel:
     @torch.inference_mode()
     def prefill(self, state: TargetState, prompt_ids: list[int]) -> torch.Tensor:  # -> [V]
         """Run the prompt; return the logits for the first new token."""
-        ids = torch.tensor([prompt_ids], dtype=torch.long)
-        out = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float()
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
+        out = self.model(input_ids=ids, **kv.cache_argument(self.model, state.cache), use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float().cpu()
 
     @torch.inference_mode()
     def forward_tree(self, state: TargetState, tree: TokenTree) -> torch.Tensor:  # -> [N, V]
@@ -42,14 +42,15 @@ class TargetModel:
         ancestors and itself. The tree's KV entries are appended until ``commit``."""
         prefix = state.length
         bias = attention_bias(ancestor_mask(tree.parents), prefix, self.model.dtype)
+        device = self.model.device
         out = self.model(
-            input_ids=tree.tokens[None],
-            attention_mask=bias,
-            position_ids=positions(tree.parents, prefix)[None],
-            past_key_values=state.cache,
+            input_ids=tree.tokens[None].to(device),
+            attention_mask=bias.to(device),
+            position_ids=positions(tree.parents, prefix)[None].to(device),
+            **kv.cache_argument(self.model, state.cache),
             use_cache=True,
         )
-        return out.logits[0].float()
+        return out.logits[0].float()  # stays on the model's device: greedy needs only the argmax
 
     @torch.inference_mode()
     def commit(self, state: TargetState, prefix_length: int, path: tuple[int, ...]) -> None:
