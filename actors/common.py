@@ -35,3 +35,16 @@ def vocabulary(loaded: LoadedModel) -> Vocabulary:
 def sweep_interval(ttl_s: float) -> float:
     """Sweep a few times per TTL, but not more than once a second."""
     return max(1.0, ttl_s / 4)
+
+
+class HoldsRequests:
+    """Per-request state in ``self.store`` (a RequestStore): release, TTL sweep, and a count."""
+
+    def release(self, request_id: str) -> bool:
+        return self.store.release(request_id)
+
+    def sweep(self, max_idle_s: float | None = None) -> list[str]:
+        return self.store.sweep(max_idle_s)
+
+    def num_requests(self) -> int:
+        return len(self.store)

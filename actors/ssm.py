@@ -14,7 +14,7 @@ from cluster.config import EngineConfig
 from engine.draft import DraftSpec, ModelDrafter, Proposal
 from engine.sampling import make_generator
 
-from .common import Vocabulary, setup_process, sweep_interval, vocabulary
+from .common import HoldsRequests, Vocabulary, setup_process, sweep_interval, vocabulary
 from .store import RequestStore, start_sweeper
 
 
@@ -35,7 +35,7 @@ class DraftTiming:
     end: float
 
 
-class SSMActor:
+class SSMActor(HoldsRequests):
     """Hosts ``config.ssms[index]`` as proposer ``index`` (its place in the engine's order)."""
 
     def __init__(self, config: EngineConfig, index: int, torch_threads: int):
@@ -65,15 +65,6 @@ class SSMActor:
         proposal = self.drafter.draft(state.cache, committed, spec, state.generator)
         self.timings.append(DraftTiming(request_id, start, time.time()))
         return proposal
-
-    def release(self, request_id: str) -> bool:
-        return self.store.release(request_id)
-
-    def sweep(self, max_idle_s: float | None = None) -> list[str]:
-        return self.store.sweep(max_idle_s)
-
-    def num_requests(self) -> int:
-        return len(self.store)
 
     def draft_timings(self) -> list[DraftTiming]:
         return list(self.timings)

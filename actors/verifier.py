@@ -15,7 +15,7 @@ from engine.sampling import SamplingParams, make_generator
 from engine.target import TargetModel, TargetState
 from engine.verify import Verdict
 
-from .common import Vocabulary, setup_process, sweep_interval, vocabulary
+from .common import HoldsRequests, Vocabulary, setup_process, sweep_interval, vocabulary
 from .store import RequestStore, start_sweeper
 
 
@@ -41,7 +41,7 @@ class StateLost(RuntimeError):
     """The verifier has no state for a request it never released (it was restarted)."""
 
 
-class VerifierActor:
+class VerifierActor(HoldsRequests):
     def __init__(self, config: EngineConfig, torch_threads: int):
         setup_process(torch_threads)
         loaded = load_configured(config, config.target)
@@ -70,12 +70,3 @@ class VerifierActor:
                 return None
             raise StateLost(f"verifier has no state for request {request_id} (was the actor restarted?)")
         return verify_tree(self.target, state.target, proposal, state.sampling, state.generator)
-
-    def release(self, request_id: str) -> bool:
-        return self.store.release(request_id)
-
-    def sweep(self, max_idle_s: float | None = None) -> list[str]:
-        return self.store.sweep(max_idle_s)
-
-    def num_requests(self) -> int:
-        return len(self.store)

@@ -5,11 +5,17 @@ the methods of the same name below (and the standard ``grpc.health.v1.Health/Che
 ingress replica owns its own verifier, SSM and merge actors (``actors.group``) and drives every
 request's step loop itself (``actors.session``). See docs/serving.md for the reasoning.
 
+The same deployment is also the application's HTTP ingress: Serve's HTTP proxy hands it the
+OpenAI-compatible routes of ``cluster.openai_api`` (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``), which run through the same ``_generate`` as the gRPC methods. Every request is
+counted in the Prometheus metrics of ``cluster.metrics``.
+
     serve run configs/serve.yaml            # import_path: cluster.serve_app:app_builder
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from contextlib import aclosing, contextmanager
@@ -30,6 +36,7 @@ from protos import specinfer_pb2 as pb
 
 from .build import speculation_options
 from .config import APP_NAME, EngineConfig
+from .metrics import RequestObservation, ServingMetrics, observed
 from .serve_requests import InvalidArgument, ModelLimits, finish_reason, parse_request, stats_message
 
 logger = logging.getLogger(__name__)
@@ -71,7 +78,24 @@ def _set_status(context: RayServegRPCContext | None, code: grpc.StatusCode, deta
         context.set_details(details)
 
 
+def status_name(error: BaseException) -> str:
+    """The gRPC status name a request that ended with ``error`` gets (as ``grpc_status`` sets it).
+
+    A passed deadline reaches the replica as a cancellation, like a client cancel: CANCELLED.
+    """
+    if isinstance(error, InvalidArgument):
+        return "INVALID_ARGUMENT"
+    if isinstance(error, Overloaded):
+        return "RESOURCE_EXHAUSTED"
+    if isinstance(error, (RayActorError, StateLost)):
+        return "UNAVAILABLE"
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+        return "CANCELLED"
+    return "INTERNAL"
+
+
 @serve.deployment(name="SpecInferIngress", ray_actor_options={"num_cpus": 0.1})
+@serve.ingress()  # HTTP: the ASGI app comes from __serve_build_asgi_app__ once the replica is up
 class SpecInferIngress:
     """Admission control, request checks, and one async step loop per request."""
 
@@ -84,6 +108,14 @@ class SpecInferIngress:
         self.tokenizer, self.eos_ids = info.tokenizer, info.eos_ids
         self.limits = ModelLimits(self.group.names, self.group.neural, info.max_context)
         self.active = 0
+        self.metrics = ServingMetrics()
+        self.metrics.running(0)
+
+    def __serve_build_asgi_app__(self):
+        """The OpenAI-compatible HTTP routes, served by this replica (called once, after __init__)."""
+        from .openai_api import build_app
+
+        return build_app(self)
 
     async def Generate(self, request: pb.GenerateRequest,
                        grpc_context: RayServegRPCContext | None = None) -> pb.GenerateResponse:
@@ -118,15 +150,23 @@ class SpecInferIngress:
     async def Watch(self, request: health_pb2.HealthCheckRequest) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
-    async def _generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[StepUpdate]:
-        """Admit, check, run; the request's state is released in every actor however it ends."""
-        with grpc_status(context), self._admitted():
+    async def _generate(self, request: pb.GenerateRequest, context,
+                        observation: RequestObservation | None = None) -> AsyncIterator[StepUpdate]:
+        """Admit, check, run; the request's state is released in every actor however it ends.
+
+        ``observation`` (default: a gRPC one) collects what the metrics record when it ends; the
+        OpenAI routes pass their own and read its prompt_tokens.
+        """
+        observation = observation if observation is not None else RequestObservation("grpc")
+        with observed(self.metrics, observation, status_name), grpc_status(context), self._admitted():
             parsed = parse_request(request, self.config, self.base_options, self.tokenizer, self.limits)
+            observation.admitted(len(parsed.prompt_ids))
             session = RemoteSession(self.group, parsed, self.tokenizer, self.eos_ids, uuid.uuid4().hex)
             logger.info("request %s: %d prompt tokens, max_new_tokens %d, mode %s", session.request_id,
                         len(parsed.prompt_ids), parsed.max_new_tokens, parsed.speculation.mode)
             try:
                 async for update in session.updates():
+                    observation.update(update)
                     yield update
             finally:
                 session.release()
@@ -138,10 +178,12 @@ class SpecInferIngress:
             raise Overloaded(f"server busy: {self.active} requests in flight, server.max_concurrent_requests "
                              f"is {limit}; retry later")
         self.active += 1
+        self.metrics.running(self.active)
         try:
             yield
         finally:
             self.active -= 1
+            self.metrics.running(self.active)
 
     def num_active(self) -> int:
         """Requests in flight on this replica (for tests and metrics)."""

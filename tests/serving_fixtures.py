@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+# Values made once per session. pytest registers these fixtures once per test module that imports
+# them, so "session" scope alone would build the models and deploy Serve once per module.
+_SESSION: dict = {}
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 SPECIALS = ["<|system|>", "<|user|>", "<|assistant|>"]
@@ -101,7 +105,9 @@ def serve_config(args: dict, grpc_port: int, http_port: int) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return make_tiny_models(tmp_path_factory.mktemp("tiny-models"))
+    if "tiny_models" not in _SESSION:
+        _SESSION["tiny_models"] = make_tiny_models(tmp_path_factory.mktemp("tiny-models"))
+    return _SESSION["tiny_models"]
 
 
 @pytest.fixture(scope="session")
@@ -113,18 +119,23 @@ def tiny_args(tiny_models) -> dict:
 def ray_session():
     """A local Ray node on 127.0.0.1 with a capped object store, or the one another module started.
 
-    Yields True when this fixture started Ray (and so shuts it down at the end).
+    Yields True when these fixtures started Ray (the first instance shuts it down at the end).
     """
     import ray
 
     from cluster.cli_serve import start_local_ray
 
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Workers push metrics to the node's agent every second (default 10 s): tests/test_metrics.py
+    # reads them from the metrics endpoint. Read by the raylet and workers at start.
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
     owns = not ray.is_initialized()
     if owns:
         start_local_ray(num_cpus=4, object_store_memory=200 * 2**20)
-    yield owns
+        _SESSION["started_ray"] = True
+    yield owns or _SESSION.get("started_ray", False)
     if owns:
+        _SESSION.pop("started_ray", None)
         ray.shutdown()
 
 
@@ -136,12 +147,17 @@ def serving(ray_session, tiny_args):
     from cluster.cli_serve import deploy
     from cluster.serve_client import Client
 
+    if "serving" in _SESSION:  # deployed for another test module of this session
+        yield _SESSION["serving"]
+        return
     try:
         address = deploy(serve_config(tiny_args, free_port(), free_port()))
         with Client(address) as client:
             client.wait_ready(120)
+        _SESSION["serving"] = address
         yield address
     finally:
+        _SESSION.pop("serving", None)
         serve.shutdown()
 
 
@@ -154,9 +170,31 @@ def ingress(serving):
 
 
 @pytest.fixture(scope="session")
+def http_base(serving) -> str:
+    """The Serve HTTP proxy's base URL (the OpenAI routes live under /v1 of it)."""
+    from ray.serve.context import _get_global_client
+
+    options = _get_global_client().http_config
+    return f"http://{options.host}:{options.port}"
+
+
+@pytest.fixture(scope="session")
+def metrics_url(ray_session) -> str:
+    """The local Ray node's Prometheus endpoint (its metrics agent on the metrics export port)."""
+    import ray
+
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    if not port:  # joined an existing node: ask the GCS
+        port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+    return f"http://127.0.0.1:{port}/metrics"
+
+
+@pytest.fixture(scope="session")
 def local_engine(tiny_args):
     """The in-process engine on the same config (the reference for every served output)."""
     from cluster.build import build_engine
     from cluster.config import EngineConfig
 
-    return build_engine(EngineConfig.model_validate(tiny_args))
+    if "local_engine" not in _SESSION:
+        _SESSION["local_engine"] = build_engine(EngineConfig.model_validate(tiny_args))
+    return _SESSION["local_engine"]

@@ -1,0 +1,327 @@
+"""Prometheus metrics, health and reflection of the served application.
+
+The Ray tests share the session's Ray + Serve instance (tests/serving_fixtures.py) and read the
+metrics the way Prometheus does: from the node's metrics export port. Counters are cumulative over
+the session, so each test waits until the endpoint is settled, sends one request and checks the
+increase against the statistics that request returned.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from cluster.metrics import (SPECS, RequestObservation, ServingMetrics, exported_name, observed, parse_samples,
+                             sample_sum)
+from cluster.serve_client import Client, build_request
+from serving_fixtures import (http_base, ingress, metrics_url, ray_session, serving,  # noqa: F401 (fixtures)
+                              tiny_args, tiny_models)
+
+APP = {"application": "specinfer"}
+SETTLE_S = 2.5  # > 2 report intervals (RAY_metrics_report_interval_ms=1000 in the fixture)
+PROMPT = "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)"
+
+COUNTERS = ["specinfer:spec_decode_num_draft_tokens", "specinfer:spec_decode_num_accepted_tokens",
+            "specinfer:target_steps", "specinfer:prompt_tokens", "specinfer:generation_tokens"]
+
+
+# --- without Ray ----------------------------------------------------------------------------
+
+
+def test_exported_names_follow_ray_rules():
+    assert exported_name("specinfer:spec_decode_num_draft_tokens") == "ray_specinfer_spec_decode_num_draft_tokens_total"
+    assert exported_name("specinfer:spec_decode_num_accepted_tokens_per_pos") == \
+        "ray_specinfer_spec_decode_num_accepted_tokens_per_pos_total"
+    assert exported_name("specinfer:e2e_request_latency_seconds") == "ray_specinfer_e2e_request_latency_seconds"
+    assert exported_name("specinfer:num_requests_running") == "ray_specinfer_num_requests_running"
+    for spec in SPECS.values():
+        assert spec.name.startswith("specinfer:") and ":" not in spec.ray_name
+        assert all(b > 0 for b in spec.boundaries)  # Ray refuses boundaries <= 0
+        assert not {"deployment", "replica", "application", "route"} & set(spec.tags)  # Serve's own tags
+
+
+def test_docs_list_every_metric_under_its_exported_name():
+    import re
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    rows = dict(re.findall(r"^\| `(specinfer:[a-z0-9_]+)` \| `([a-z0-9_]+)` \|", docs, re.M))
+    assert rows == {name: spec.exported_name for name, spec in SPECS.items()}
+
+
+class FakeMetric:
+    def __init__(self, spec):
+        self.spec, self.calls = spec, []
+
+    def inc(self, value=1.0, tags=None):
+        assert value > 0 and set(tags or {}) == set(self.spec.tags)
+        self.calls.append((value, tags or {}))
+
+    observe = set = inc
+
+    def total(self, **tags):
+        return sum(v for v, t in self.calls if all(t.get(k) == x for k, x in tags.items()))
+
+
+def fake_metrics() -> ServingMetrics:
+    return ServingMetrics(factory=FakeMetric)
+
+
+def test_record_counts_a_request_from_its_stats():
+    from engine.generate import GenerationStats, StepUpdate
+
+    stats = GenerationStats(mode="tree", target_steps=5, new_tokens=12, draft_tokens=30,
+                            accepted_per_proposer={"ssm-a": 5, "ngram": 2}, accepted_per_depth=[4, 3, 0])
+    now = [10.0]
+    observation = RequestObservation("grpc", clock=lambda: now[0])
+    metrics = fake_metrics()
+    with observed(metrics, observation, lambda error: "INTERNAL"):
+        observation.admitted(9)
+        now[0] = 10.5
+        observation.update(StepUpdate((1,), "a", None, stats))
+        now[0] = 12.0
+        observation.update(StepUpdate((2, 3), "bc", "length", stats))
+    m = metrics.metrics
+    assert observation.status == "OK" and observation.latency_s == 2.0 and observation.ttft_s == 0.5
+    assert m["specinfer:requests"].calls == [(1, {"status": "OK", "api": "grpc"})]
+    assert m["specinfer:spec_decode_num_draft_tokens"].total() == 30
+    assert m["specinfer:spec_decode_num_accepted_tokens"].total() == 7
+    assert m["specinfer:spec_decode_num_accepted_tokens_per_pos"].calls == [(4, {"position": "0"}),
+                                                                            (3, {"position": "1"})]
+    assert m["specinfer:spec_decode_num_accepted_tokens_per_ssm"].total(ssm="ssm-a") == 5
+    assert m["specinfer:spec_decode_num_accepted_tokens_per_ssm"].total(ssm="ngram") == 2
+    assert m["specinfer:target_steps"].total() == 5 and m["specinfer:prompt_tokens"].total() == 9
+    assert m["specinfer:generation_tokens"].total() == 12
+    assert m["specinfer:tokens_per_step"].calls == [(2.4, {})]
+    assert m["specinfer:e2e_request_latency_seconds"].calls == [(2.0, {})]
+    assert m["specinfer:time_to_first_token_seconds"].calls == [(0.5, {})]
+    assert m["specinfer:output_tokens_per_second"].calls == [(6.0, {})]
+
+
+def test_refused_and_cancelled_requests_are_counted_by_status():
+    from cluster.serve_app import Overloaded, status_name
+    from cluster.serve_requests import InvalidArgument
+
+    metrics = fake_metrics()
+    for error in (InvalidArgument("top_p", "bad"), Overloaded("busy"), ValueError("boom")):
+        with pytest.raises(type(error)), observed(metrics, RequestObservation("openai"), status_name):
+            raise error
+
+    async def abandoned():  # a stream the consumer stops reading: closed with GeneratorExit
+        with observed(metrics, RequestObservation("grpc"), status_name):
+            yield 1
+            yield 2
+
+    import asyncio
+
+    async def read_one():
+        stream = abandoned()
+        await stream.__anext__()
+        await stream.aclose()
+
+    asyncio.run(read_one())
+    requests = metrics.metrics["specinfer:requests"]
+    assert [t for _, t in requests.calls] == [
+        {"status": "INVALID_ARGUMENT", "api": "openai"}, {"status": "RESOURCE_EXHAUSTED", "api": "openai"},
+        {"status": "INTERNAL", "api": "openai"}, {"status": "CANCELLED", "api": "grpc"}]
+    assert not metrics.metrics["specinfer:e2e_request_latency_seconds"].calls  # successful requests only
+    assert status_name(asyncio.CancelledError()) == "CANCELLED"
+
+
+def test_metric_failures_do_not_fail_requests():
+    class Broken(FakeMetric):
+        def inc(self, value=1.0, tags=None):
+            raise RuntimeError("metrics agent gone")
+
+    metrics = ServingMetrics(factory=Broken)
+    with observed(metrics, RequestObservation("grpc"), lambda error: "INTERNAL"):
+        pass  # no exception escapes
+    metrics.running(3)
+
+
+def test_prometheus_text_parsing():
+    text = "\n".join([
+        "# HELP ray_x_total d", "# TYPE ray_x_total counter",
+        'ray_x_total{application="specinfer",ssm="a",x="q\\"uote"} 3.0',
+        'ray_x_total{application="specinfer",ssm="b"} 4.0',
+        'ray_x_total{application="other",ssm="a"} 100.0',
+        "ray_y 7",
+    ])
+    assert list(parse_samples(text))[0] == ("ray_x_total", {"application": "specinfer", "ssm": "a", "x": 'q"uote'},
+                                            3.0)
+    assert sample_sum(text, "ray_x_total", application="specinfer") == 7.0
+    assert sample_sum(text, "ray_x_total", ssm="a") == 103.0
+    assert sample_sum(text, "ray_y") == 7.0 and sample_sum(text, "ray_z") == 0.0
+
+
+# --- served: the metrics endpoint -------------------------------------------------------------
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def series(text: str) -> dict:
+    """Every specinfer sample of the application, keyed by (name, sorted labels without per-process ones)."""
+    keep = ("status", "api", "ssm", "position", "le")
+    out: dict = {}
+    for name, labels, value in parse_samples(text):
+        if name.startswith("ray_specinfer_") and labels.get("application") == "specinfer":
+            key = (name, tuple(sorted((k, v) for k, v in labels.items() if k in keep)))
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def settled(url: str, ingress, timeout_s: float = 60.0) -> str:  # noqa: F811
+    """The endpoint's text once no request runs and two scrapes SETTLE_S apart agree."""
+    deadline = time.monotonic() + timeout_s
+    while ingress.num_active.remote().result() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    previous = scrape(url)
+    while time.monotonic() < deadline:
+        time.sleep(SETTLE_S)
+        current = scrape(url)
+        if series(current) == series(previous) and not ingress.num_active.remote().result():
+            return current
+        previous = current
+    pytest.fail("the metrics endpoint did not settle")
+
+
+def wait_for(url: str, check, timeout_s: float = 30.0) -> str:
+    """Scrape until ``check(text)`` holds; return the last text (the caller asserts on it)."""
+    deadline = time.monotonic() + timeout_s
+    text = scrape(url)
+    while not check(text) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        text = scrape(url)
+    return text
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
+
+
+def total(text: str, name: str, **labels: str) -> float:
+    return sample_sum(text, exported_name(name), **APP, **labels)
+
+
+@pytest.mark.ray
+def test_metrics_equal_the_request_statistics(serving, ingress, metrics_url, tiny_models):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    prompt_tokens = len(AutoTokenizer.from_pretrained(tiny_models["target"]).encode(PROMPT))
+    before = settled(metrics_url, ingress)
+    with Client(serving) as client:
+        reply = client.generate(build_request(PROMPT, max_new_tokens=40), timeout=60)
+    stats = reply.stats
+    assert stats.new_tokens == 40 and stats.draft_tokens > 0 and stats.accepted_tokens > 0
+    expected = {
+        "specinfer:spec_decode_num_draft_tokens": stats.draft_tokens,
+        "specinfer:spec_decode_num_accepted_tokens": stats.accepted_tokens,
+        "specinfer:target_steps": stats.target_steps,
+        "specinfer:prompt_tokens": prompt_tokens,
+        "specinfer:generation_tokens": stats.new_tokens,
+    }
+
+    def delta(text: str, name: str, **labels: str) -> float:
+        return total(text, name, **labels) - total(before, name, **labels)
+
+    def per_label(text: str, name: str, label: str) -> dict[str, float]:
+        keys = {labels[label] for n, labels, _ in parse_samples(text) if n == exported_name(name) and label in labels}
+        return {key: delta(text, name, **{label: key}) for key in keys if delta(text, name, **{label: key})}
+
+    per_pos = {str(i): float(v) for i, v in enumerate(stats.accepted_per_depth) if v}
+    per_ssm = {k: float(v) for k, v in stats.accepted_per_ssm.items() if v}
+
+    def complete(text: str) -> bool:
+        return (all(delta(text, name) == value for name, value in expected.items())
+                and delta(text, "specinfer:requests", status="OK", api="grpc") == 1
+                and per_label(text, "specinfer:spec_decode_num_accepted_tokens_per_pos", "position") == per_pos
+                and per_label(text, "specinfer:spec_decode_num_accepted_tokens_per_ssm", "ssm") == per_ssm)
+
+    after = wait_for(metrics_url, complete)
+    assert {name: delta(after, name) for name in expected} == expected
+    assert delta(after, "specinfer:requests", status="OK", api="grpc") == 1
+    assert per_label(after, "specinfer:spec_decode_num_accepted_tokens_per_pos", "position") == per_pos
+    assert per_label(after, "specinfer:spec_decode_num_accepted_tokens_per_ssm", "ssm") == per_ssm
+    assert sum(per_pos.values()) == stats.accepted_tokens
+    # histograms: one observation each, tokens/step summed exactly
+    for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "tokens_per_step",
+                 "output_tokens_per_second"):
+        count = f"ray_specinfer_{name}_count"
+        assert sample_sum(after, count, **APP) - sample_sum(before, count, **APP) == 1, name
+    # Ray 2.60 exports each histogram's _sum from bucket midpoints, so only the buckets are exact:
+    # the request's tokens/step falls in the first bucket whose bound reaches it.
+    buckets = {float(labels["le"]) for name, labels, _ in parse_samples(after)
+               if name == "ray_specinfer_tokens_per_step_bucket"}
+    for bound in sorted(buckets):
+        added = sample_sum(after, "ray_specinfer_tokens_per_step_bucket", le=_le(bound), **APP) - \
+            sample_sum(before, "ray_specinfer_tokens_per_step_bucket", le=_le(bound), **APP)
+        assert added == (1 if stats.tokens_per_step <= bound else 0), (bound, stats.tokens_per_step)
+    running = [v for name, labels, v in parse_samples(after)
+               if name == exported_name("specinfer:num_requests_running") and labels.get("application") == "specinfer"]
+    assert running and sum(running) == 0
+
+
+@pytest.mark.ray
+def test_refused_requests_are_counted_by_status(serving, ingress, metrics_url, http_base):  # noqa: F811
+    import json
+    import urllib.error
+
+    before = settled(metrics_url, ingress)
+    with Client(serving) as client:
+        with pytest.raises(grpc.RpcError) as caught:
+            client.generate(build_request(PROMPT, max_new_tokens=0), timeout=30)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError):
+            list(client.stream(build_request(PROMPT, top_p=2.0), timeout=30))
+    body = json.dumps({"model": "tiny-target", "prompt": "hi", "n": 2}).encode()
+    with pytest.raises(urllib.error.HTTPError) as http_error:
+        urllib.request.urlopen(urllib.request.Request(f"{http_base}/v1/completions", body,
+                                                      {"Content-Type": "application/json"}), timeout=30)
+    assert http_error.value.code == 400
+
+    def counted(text: str, api: str) -> float:
+        return (total(text, "specinfer:requests", status="INVALID_ARGUMENT", api=api)
+                - total(before, "specinfer:requests", status="INVALID_ARGUMENT", api=api))
+
+    after = wait_for(metrics_url, lambda text: counted(text, "grpc") == 2 and counted(text, "openai") == 1)
+    assert counted(after, "grpc") == 2 and counted(after, "openai") == 1
+    assert total(after, "specinfer:requests", status="OK") == total(before, "specinfer:requests", status="OK")
+    assert total(after, "specinfer:target_steps") == total(before, "specinfer:target_steps")  # no work counted
+
+
+# --- served: health and reflection ------------------------------------------------------------
+
+
+@pytest.mark.ray
+def test_grpc_health_check_is_serving(serving):  # noqa: F811
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(serving) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "specinfer.v1.SpecInfer"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10,
+                                 metadata=(("application", "specinfer"),))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        # without the application metadata too (one application: Serve routes to it)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+            health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.ray
+def test_grpc_server_reflection_lists_and_describes_the_service(serving):  # noqa: F811
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(serving) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        services = set(database.get_services())
+        assert {"specinfer.v1.SpecInfer", "grpc.health.v1.Health"} <= services
+        service = DescriptorPool(database).FindServiceByName("specinfer.v1.SpecInfer")
+        assert {m.name for m in service.methods} == {"Generate", "GenerateStream"}
+        assert service.methods_by_name["GenerateStream"].output_type.full_name == "specinfer.v1.GenerateChunk"
