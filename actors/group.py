@@ -43,8 +43,12 @@ class ActorGroup:
 
 
 def _options(options: ActorOptions, name: str, namespace: str | None) -> dict:
+    # Ray starts workers with OMP_NUM_THREADS=1, which the BLAS libraries read once at start-up:
+    # give the actor's process the configured thread count from the start.
+    threads = str(options.torch_threads)
     return {"name": name, "namespace": namespace, "num_cpus": options.num_cpus, "num_gpus": options.num_gpus,
-            "max_restarts": options.max_restarts, "max_concurrency": options.max_concurrency}
+            "max_restarts": options.max_restarts, "max_concurrency": options.max_concurrency,
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}}
 
 
 def launch(config: EngineConfig, prefix: str, namespace: str | None = None) -> ActorGroup:
