@@ -15,6 +15,12 @@ logger = logging.getLogger(__name__)
 PLOTS = ("speedup", "accepted_lengths", "acceptance_by_depth", "proposer_share")
 
 
+def _save(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _num(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
@@ -121,9 +127,7 @@ def plot_speedup(plt, results: dict, path: Path) -> bool:
     ax.set_ylabel("speedup vs incremental (per prompt)")
     ax.set_title(f"Speedup per method: {results['settings']['dataset']}")
     ax.tick_params(axis="x", labelrotation=20)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return True
 
 
@@ -144,9 +148,7 @@ def plot_accepted_lengths(plt, results: dict, path: Path) -> bool:
     ax.set_ylabel("fraction of verify steps")
     ax.set_title("Accepted length per verify step")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return True
 
 
@@ -165,9 +167,7 @@ def plot_acceptance_by_depth(plt, results: dict, path: Path) -> bool:
     ax.set_ylim(0, 1.02)
     ax.set_title("Acceptance by tree depth")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return True
 
 
@@ -187,9 +187,7 @@ def plot_proposer_share(plt, results: dict, path: Path) -> bool:
     ax.set_ylim(0, 1.05)
     ax.set_title("Per-SSM contribution")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return True
 
 

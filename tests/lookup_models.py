@@ -124,15 +124,9 @@ def chi_square(samples: Sequence[Sequence[int]], expected_probs: np.ndarray) -> 
 
 def tiny_llama(vocab: int, seed: int, layers: int = 1, hidden: int = 32, sharpness: float = 0.3):
     """A float32 random Llama in eval mode; lm_head std ``sharpness`` makes its logits sharp."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny_models import tiny_model
 
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_model("llama", vocab, layers=layers, seed=seed, hidden=hidden)
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, sharpness, generator=torch.Generator().manual_seed(seed))
     return model
