@@ -197,7 +197,8 @@ def advance(text: TextStream, stats: GenerationStats, new: Sequence[int], max_ne
 
 def root_only_proposal(root: int) -> Proposal:
     """A tree of just the root (incremental decoding: the target proposes its own next token)."""
-    return _root_only(root)
+    empty = torch.zeros(0, dtype=torch.long)
+    return Proposal(TokenTree.root_only(root), Draws(empty, empty, None, torch.zeros(0, dtype=torch.bool)))
 
 
 class SpeculativeEngine:
@@ -268,7 +269,7 @@ class _Session:
     def step(self) -> StepUpdate:
         began = time.perf_counter()
         proposals = [d.draft(state, self.committed, spec, gen) for d, state, spec, gen in self.proposers]
-        proposal = merge(proposals) if proposals else _root_only(self.committed[-1])
+        proposal = merge(proposals) if proposals else root_only_proposal(self.committed[-1])
         drafted = time.perf_counter()
         verdict = verify_tree(self.engine.target, self.target_state, proposal, self.request.sampling, self.generator)
         self.stats.draft_ms += (drafted - began) * 1e3
@@ -284,8 +285,3 @@ class _Session:
         self.finish_reason = reason
         self.stats.total_ms = (time.perf_counter() - self.started) * 1e3
         return StepUpdate(tuple(kept), chunk, reason, self.stats)
-
-
-def _root_only(root: int) -> Proposal:
-    empty = torch.zeros(0, dtype=torch.long)
-    return Proposal(TokenTree.root_only(root), Draws(empty, empty, None, torch.zeros(0, dtype=torch.bool)))
