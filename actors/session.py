@@ -12,8 +12,8 @@ from dataclasses import replace
 from typing import AsyncIterator
 
 from engine.draft import Proposal
-from engine.generate import (GenerationRequest, GenerationStats, StepUpdate, advance, credit, plan_proposers,
-                             root_only_proposal, step_tokens)
+from engine.generate import (GenerationRequest, GenerationStats, StepUpdate, advance, plan_proposers,
+                             record_step, root_only_proposal)
 from engine.text import TextStream
 
 from .group import ActorGroup
@@ -62,12 +62,9 @@ class RemoteSession:
         verdict = await self.group.verifier.verify.remote(self.request_id, proposal_ref)
         if verdict is None:
             return self._cancelled()
-        self.stats.draft_ms += (drafted - began) * 1e3
-        self.stats.verify_ms += (time.perf_counter() - drafted) * 1e3
-        self.stats.target_steps += 1
-        self.stats.draft_tokens += proposal.tree.size - 1
-        credit(self.stats, proposal, verdict, self.group.names)
-        return self._emit(step_tokens(proposal, verdict))
+        tokens = record_step(self.stats, proposal, verdict, self.group.names, (drafted - began) * 1e3,
+                             (time.perf_counter() - drafted) * 1e3)
+        return self._emit(tokens)
 
     def _draft(self):
         """The merged proposal as an object reference (or, without proposers, the root alone)."""

@@ -178,6 +178,17 @@ def step_tokens(proposal: Proposal, verdict: Verdict) -> list[int]:
     return proposal.tree.tokens[list(verdict.path[1:])].tolist() + [verdict.next_token]
 
 
+def record_step(stats: GenerationStats, proposal: Proposal, verdict: Verdict, names: Sequence[str],
+                draft_ms: float, verify_ms: float) -> list[int]:
+    """Count one verify step in ``stats``; return the tokens it commits (before EOS/length cuts)."""
+    stats.draft_ms += draft_ms
+    stats.verify_ms += verify_ms
+    stats.target_steps += 1
+    stats.draft_tokens += proposal.tree.size - 1
+    credit(stats, proposal, verdict, names)
+    return step_tokens(proposal, verdict)
+
+
 def advance(text: TextStream, stats: GenerationStats, new: Sequence[int], max_new_tokens: int,
             eos_ids) -> tuple[list[int], str, str | None]:
     """Apply one step's tokens: cut at EOS / max_new_tokens, count them, detokenize.
@@ -272,12 +283,9 @@ class _Session:
         proposal = merge(proposals) if proposals else root_only_proposal(self.committed[-1])
         drafted = time.perf_counter()
         verdict = verify_tree(self.engine.target, self.target_state, proposal, self.request.sampling, self.generator)
-        self.stats.draft_ms += (drafted - began) * 1e3
-        self.stats.verify_ms += (time.perf_counter() - drafted) * 1e3
-        self.stats.target_steps += 1
-        self.stats.draft_tokens += proposal.tree.size - 1
-        credit(self.stats, proposal, verdict, self.engine.names)
-        return self._emit(step_tokens(proposal, verdict))
+        tokens = record_step(self.stats, proposal, verdict, self.engine.names, (drafted - began) * 1e3,
+                             (time.perf_counter() - drafted) * 1e3)
+        return self._emit(tokens)
 
     def _emit(self, new: list[int]) -> StepUpdate:
         kept, chunk, reason = advance(self.text, self.stats, new, self.request.max_new_tokens, self.engine.eos_ids)
