@@ -20,6 +20,10 @@ class Vocabulary:
     digest: str
 
 
+class StateLost(RuntimeError):
+    """An actor has no state for a request it never released (it or its ranks were restarted)."""
+
+
 def setup_process(torch_threads: int) -> None:
     """Ray sets OMP_NUM_THREADS=1 in workers; take the configured thread count explicitly."""
     torch.set_num_threads(torch_threads)

@@ -38,6 +38,10 @@ class ActorGroup:
             actor.release.remote(request_id)
 
     def kill(self) -> None:
+        try:
+            ray.get(self.verifier.shutdown.remote(), timeout=15)
+        except Exception:  # a dead or stuck verifier: its ranks die with it
+            logger.warning("verifier did not shut down cleanly", exc_info=True)
         for actor in self.everyone():
             ray.kill(actor, no_restart=True)
 
@@ -51,6 +55,14 @@ def _options(options: ActorOptions, name: str, namespace: str | None) -> dict:
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}}
 
 
+def _verifier_options(config: EngineConfig) -> ActorOptions:
+    """With tensor parallelism the verifier only coordinates: the ranks hold the GPUs and CPUs."""
+    options = config.verifier.actor
+    if config.verifier.tensor_parallel_size == 1:
+        return options
+    return options.model_copy(update={"num_cpus": 0.1, "num_gpus": 0.0, "torch_threads": 1})
+
+
 def launch(config: EngineConfig, prefix: str, namespace: str | None = None) -> ActorGroup:
     """Start the verifier, one actor per SSM and the merge actor, named ``{prefix}/...``.
 
@@ -58,8 +70,8 @@ def launch(config: EngineConfig, prefix: str, namespace: str | None = None) -> A
     """
     server = config.server
     verifier = ray.remote(VerifierActor).options(
-        **_options(config.verifier.actor, f"{prefix}/verifier", namespace)
-    ).remote(config, config.verifier.actor.torch_threads)
+        **_options(_verifier_options(config), f"{prefix}/verifier", namespace)
+    ).remote(config, config.verifier.actor.torch_threads, prefix, namespace)
     ssms = tuple(
         ray.remote(SSMActor).options(**_options(server.ssm_actor, f"{prefix}/ssm/{ssm.name}", namespace))
         .remote(config, index, server.ssm_actor.torch_threads)

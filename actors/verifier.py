@@ -6,16 +6,16 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.build import load_configured
+from cluster.build import load_target
 from cluster.config import EngineConfig
 from engine.draft import Proposal
 from engine.generate import first_token, verify_tree
 from engine.models import eos_token_ids
 from engine.sampling import SamplingParams, make_generator
-from engine.target import TargetModel, TargetState
+from engine.target import TargetState
 from engine.verify import Verdict
 
-from .common import HoldsRequests, Vocabulary, setup_process, sweep_interval, vocabulary
+from .common import HoldsRequests, StateLost, Vocabulary, setup_process, sweep_interval, vocabulary
 from .store import RequestStore, start_sweeper
 
 
@@ -37,15 +37,11 @@ class TargetInfo:
     vocabulary: Vocabulary
 
 
-class StateLost(RuntimeError):
-    """The verifier has no state for a request it never released (it was restarted)."""
-
-
 class VerifierActor(HoldsRequests):
-    def __init__(self, config: EngineConfig, torch_threads: int):
+    def __init__(self, config: EngineConfig, torch_threads: int, name_prefix: str = "specinfer",
+                 namespace: str | None = None):
         setup_process(torch_threads)
-        loaded = load_configured(config, config.target)
-        self.target = TargetModel(loaded.model)
+        self.target, loaded = load_target(config, name_prefix, namespace)
         self.info = TargetInfo(config.target.name, loaded.tokenizer, eos_token_ids(loaded),
                                getattr(loaded.model.config, "max_position_embeddings", None), vocabulary(loaded))
         self.store: RequestStore[VerifyState] = RequestStore(config.server.request_ttl_s)
@@ -53,6 +49,11 @@ class VerifierActor(HoldsRequests):
 
     def ready(self) -> TargetInfo:
         return self.info
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel ranks cleanly (their shared memory too); nothing to do at tp=1."""
+        if hasattr(self.target, "shutdown"):
+            self.target.shutdown()
 
     def prefill(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
         """Create the request's state, run the prompt, return the first token (None: released)."""

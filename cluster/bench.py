@@ -269,6 +269,12 @@ class LocalRunner:
         return row_from_stats(prompt, method.spelling, result.token_ids, result.finish_reason,
                               result.stats.to_dict(), latency_ms)
 
+    def close(self) -> None:
+        if self._engine is not None:
+            from .build import close_engine
+
+            close_engine(self._engine)
+
 
 def hf_generation_config(eos_ids: Iterable[int], max_new_tokens: int, sampling: SamplingParams):
     """A plain GenerationConfig (no penalties): greedy, or the request's temperature / top-k / top-p."""
@@ -290,6 +296,8 @@ def hf_assisted_row(engine, method: Method, prompt: EncodedPrompt, max_new_token
     import torch
 
     target = engine.target.model
+    if not isinstance(target, torch.nn.Module):
+        raise ValueError("hf-assisted needs the target in this process: use verifier.tensor_parallel_size 1")
     assistant = engine.drafters[engine.names.index(method.assistant)].model
     config = hf_generation_config(engine.eos_ids, max_new_tokens, sampling)
     saved, calls = copy.deepcopy(assistant.generation_config), [0]
@@ -447,7 +455,7 @@ def run_bench(settings: BenchSettings, config: EngineConfig | None = None, runne
     try:
         execute(runner, pending, settings, store)
     finally:
-        if created and isinstance(runner, GrpcRunner):
+        if created:
             runner.close()
     results = summarize(store.rows, methods, workload, settings, config)
     write_outputs(settings.out, results)

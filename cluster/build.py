@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from engine.draft import ModelDrafter, NgramDrafter
 from engine.generate import SpeculationOptions, SpeculativeEngine
-from engine.models import (LoadedModel, ModelSpec, check_same_vocabulary, eos_token_ids, load_model,
+from engine.models import (LoadedModel, ModelSpec, check_same_vocabulary, eos_token_ids, load_header, load_model,
                            quantize_int8, truncate_layers)
 from engine.target import TargetModel
 
@@ -39,6 +40,33 @@ def load_configured(config: EngineConfig, model: ModelConfig) -> LoadedModel:
     return loaded
 
 
+def load_target(config: EngineConfig, name_prefix: str = "specinfer", namespace: str | None = None):
+    """The target as (TargetModel or TensorParallelTarget, LoadedModel for its tokenizer and configs).
+
+    With ``verifier.tensor_parallel_size`` > 1 the weights load in the rank actors (Ray must be
+    initialised); this process loads the tokenizer and configs only.
+    """
+    if config.verifier.tensor_parallel_size == 1:
+        loaded = load_configured(config, config.target)
+        return TargetModel(loaded.model), loaded
+    import ray
+
+    from actors.tensor_parallel import TensorParallelTarget
+
+    if not ray.is_initialized():
+        from .cli_serve import start_local_ray
+
+        start_local_ray(os.environ.get("RAY_ADDRESS"))
+    header = load_header(model_spec(config, config.target))
+    return TensorParallelTarget(config, header.model, name_prefix, namespace), header
+
+
+def close_engine(engine: SpeculativeEngine) -> None:
+    """Stop what the engine started outside this process (tensor-parallel ranks)."""
+    if hasattr(engine.target, "shutdown"):
+        engine.target.shutdown()
+
+
 def set_threads(threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
@@ -54,7 +82,7 @@ def speculation_options(config: EngineConfig) -> SpeculationOptions:
 def build_engine(config: EngineConfig) -> SpeculativeEngine:
     """Load the target and every SSM, check one vocabulary, and assemble the in-process engine."""
     set_threads(config.torch_threads)
-    target = load_configured(config, config.target)
+    target_model, target = load_target(config)
     drafters: list = []
     for index, ssm_config in enumerate(config.ssms):
         ssm = load_configured(config, ssm_config)
@@ -63,4 +91,4 @@ def build_engine(config: EngineConfig) -> SpeculativeEngine:
     if config.ngram:
         n = config.ngram
         drafters.append(NgramDrafter(len(drafters), n.name, n.max_ngram, n.min_ngram, n.max_tokens, n.max_matches))
-    return SpeculativeEngine(TargetModel(target.model), drafters, target.tokenizer, eos_token_ids(target))
+    return SpeculativeEngine(target_model, drafters, target.tokenizer, eos_token_ids(target))

@@ -77,12 +77,15 @@ def request_from_args(config: EngineConfig, args, prompt_ids: list[int]) -> Gene
 
 
 def run_generate(args) -> int:
-    from .build import build_engine
+    from .build import build_engine, close_engine
 
     config = load_config(args.config, dtype=args.dtype)
     engine = build_engine(config)
-    request = request_from_args(config, args, encode_prompt(engine.tokenizer, args.prompt, args.chat))
-    result = engine.generate(request)
+    try:
+        request = request_from_args(config, args, encode_prompt(engine.tokenizer, args.prompt, args.chat))
+        result = engine.generate(request)
+    finally:
+        close_engine(engine)
     stats = result.stats.to_dict()
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": list(result.token_ids),

@@ -78,7 +78,11 @@ class ActorOptions(_Strict):
 
 
 class VerifierConfig(_Strict):
-    tensor_parallel_size: int = Field(default=1, ge=1)
+    """The target's actors. With ``tensor_parallel_size`` N > 1 the target runs as N DeepSpeed
+    AutoTP rank actors (one GPU each when ``actor.num_gpus`` is 1), and ``actor`` applies per rank."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    collective_timeout_s: float = Field(default=30.0, gt=0.0, description="a stuck rank fails the call after this")
     actor: ActorOptions = ActorOptions()
 
 

@@ -16,7 +16,6 @@ from .serve_requests import CHILDREN, MODES
 
 FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                 pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_UNSPECIFIED: None}
-METADATA = (("application", APP_NAME),)  # picks the Serve application when several are deployed
 
 
 def build_request(prompt: str | None = None, messages: Sequence[tuple[str, str]] = (), *,
@@ -58,18 +57,19 @@ def response_dict(response: pb.GenerateResponse) -> dict:
 class Client:
     """Blocking client over one channel. ``timeout`` is the per-call deadline in seconds."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, application: str = APP_NAME):
         self.address = address
+        self.metadata = (("application", application),)  # picks the Serve application
         self.channel = grpc.insecure_channel(address)
         self.stub = specinfer_pb2_grpc.SpecInferStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> pb.GenerateResponse:
-        return self.stub.Generate(request, timeout=timeout, metadata=METADATA)
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
     def stream(self, request: pb.GenerateRequest, timeout: float | None = None):
         """The streaming call: iterate it for GenerateChunks; ``.cancel()`` stops the generation."""
-        return self.stub.GenerateStream(request, timeout=timeout, metadata=METADATA)
+        return self.stub.GenerateStream(request, timeout=timeout, metadata=self.metadata)
 
     def generate_streamed(self, request: pb.GenerateRequest, timeout: float | None = None) -> pb.GenerateResponse:
         """Stream, then fold the chunks into one GenerateResponse."""
@@ -89,7 +89,7 @@ class Client:
             try:
                 remaining = max(0.1, deadline - time.monotonic())
                 reply = self.health.Check(health_pb2.HealthCheckRequest(), timeout=min(10.0, remaining),
-                                          metadata=METADATA)
+                                          metadata=self.metadata)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

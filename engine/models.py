@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,26 @@ def load_model(spec: ModelSpec, attn_implementation: str = "sdpa") -> LoadedMode
     model.to(resolve_device(spec.device)).eval()
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
+
+
+@dataclass(frozen=True)
+class ModelHeader:
+    """A model's configs without its weights, for a process that only tokenizes and checks."""
+
+    config: object
+    generation_config: object | None
+
+
+def load_header(spec: ModelSpec) -> LoadedModel:
+    """Config, generation config and tokenizer only (``model`` is a ModelHeader)."""
+    source, kwargs = _pretrained_args(spec)
+    config = AutoConfig.from_pretrained(source, **kwargs)
+    check_architecture(config, spec.name)
+    try:
+        generation = GenerationConfig.from_pretrained(source, **kwargs)
+    except (OSError, ValueError):  # no generation_config.json
+        generation = None
+    return LoadedModel(spec=spec, model=ModelHeader(config, generation), tokenizer=AutoTokenizer.from_pretrained(source, **kwargs))
 
 
 def resolve_device(device: str) -> torch.device:
