@@ -34,3 +34,15 @@ def qwen_models_dir(models_cache_dir: Path) -> Path:
 
     fetch_models(models_cache_dir, [DEFAULT_TARGET, DEFAULT_SSM], progress=False)
     return models_cache_dir
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need a CUDA device; skip them where there is none."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

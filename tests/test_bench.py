@@ -351,3 +351,36 @@ def test_smollm2_fp32_outputs_match_incremental(smollm2_dir, tmp_path):
     for method, summary in results["summary"].items():
         assert summary["outputs_match_incremental"] == 1.0, method
     assert results["summary"]["ensemble"]["tokens_per_step"] > 1.0
+
+
+def _gpu_verify_curve():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "gpu_verify_curve.py"
+    spec = importlib.util.spec_from_file_location("gpu_verify_curve", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("size,width,parents", [(1, 4, [-1]), (6, 2, [-1, 0, 0, 1, 1, 2]), (5, 4, [-1, 0, 0, 0, 0])])
+def test_gpu_curve_trees_are_valid(size, width, parents):
+    from engine.tree import depths
+
+    tree = _gpu_verify_curve().bushy_tree(size, width)
+    assert tree.parents.tolist() == parents
+    assert depths(tree.parents).tolist()[0] == 0
+
+
+def test_gpu_verify_curve_runs_on_cpu_tiny(tmp_path):
+    out = tmp_path / "curve.json"
+    result = _gpu_verify_curve().main(["--shape", "tiny", "--device", "cpu", "--sizes", "1,4,16", "--repeats", "1",
+                                       "--prefix", "64", "--out", str(out)])
+    assert json.loads(out.read_text())["verify_ms"].keys() == {"1", "4", "16"}
+    assert result["decode_ms_per_token"] == result["verify_ms"][1] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_verify_curve_llama_8b_shape(tmp_path):
+    result = _gpu_verify_curve().main(["--out", str(tmp_path / "curve.json")])
+    assert set(result["verify_ms"]) == {1, 4, 16, 32, 64, 128} and result["wall_s"] < 300

@@ -153,3 +153,20 @@ def test_grpc_generation_with_tensor_parallel_verifier(serving, tiny_args, tiny_
                 assert reply == reference_greedy(target, tokenizer.encode(prompt), max_new_tokens)
     finally:
         serve.delete(name)
+
+
+@pytest.mark.gpu
+def test_two_gpu_ranks_over_nccl_match_single_process(engines, tiny_args):
+    """On a machine with 2+ GPUs: one GPU per rank, NCCL; the same greedy ids as tp=1 on CPU."""
+    from cluster.build import build_engine, close_engine
+    from cluster.config import EngineConfig
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    gpu = {**TP_VERIFIER, "actor": {"num_cpus": 0.25, "num_gpus": 1, "torch_threads": 1}}
+    engine = build_engine(EngineConfig.model_validate({**tiny_args, "device": "cuda", "verifier": gpu}))
+    try:
+        request = GenerationRequest(tuple(range(40, 60)), 40, speculation=SpeculationOptions(expansion=(2, 2, 1)))
+        assert engine.generate(request).token_ids == engines[0].generate(request).token_ids
+    finally:
+        close_engine(engine)
