@@ -165,8 +165,12 @@ class ModelDrafter:
                 break
             logits = self._forward_level(cache, builder, frontier, cached, depth, len(committed))
             cached += frontier
-        kv.crop(cache, len(committed))
+        self._rollback(cache, len(committed))
         return builder.build()
+
+    def _rollback(self, cache: DynamicCache, length: int) -> None:
+        """Drop the drafted levels: keep the ``length`` committed tokens."""
+        kv.crop(cache, length)
 
     def _extend(self, cache: DynamicCache, committed: list[int]) -> torch.Tensor:  # -> [V]
         """Feed the committed tokens the cache lacks (at least the root); logits after the root."""

@@ -249,9 +249,12 @@ class SpeculativeEngine:
         """Yield one StepUpdate per target step; the last one carries the finish reason."""
         self.check_request(request)
         session = _Session(self, request)
-        yield session.prefill()
-        while session.finish_reason is None:
-            yield session.step()
+        try:
+            yield session.prefill()
+            while session.finish_reason is None:
+                yield session.step()
+        finally:  # also when the caller stops early (a cancel): paged KV blocks go back
+            session.close()
 
 
 class _Session:
@@ -271,6 +274,12 @@ class _Session:
         self.committed = list(request.prompt_ids)
         self.text = TextStream(engine.tokenizer, request.stop)
         self.finish_reason: str | None = None
+
+    def close(self) -> None:
+        """Release states that hold shared memory (paged KV blocks); plain caches need nothing."""
+        for owner, state in [(self.engine.target, self.target_state)] + [(d, s) for d, s, _, _ in self.proposers]:
+            if hasattr(owner, "release"):
+                owner.release(state)
 
     def prefill(self) -> StepUpdate:
         logits = self.engine.target.prefill(self.target_state, self.committed)

@@ -1,0 +1,104 @@
+"""The target and the SSM drafters over a paged KV pool, with forwards batched across requests.
+
+``PagedTarget`` has ``TargetModel``'s methods and ``PagedDrafter`` is a ``ModelDrafter``: the
+speculative step (draft -> merge -> verify -> commit) is the same code; only their forwards go
+through a ``ForwardBatcher``, which packs the forwards of every request thread into one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .batching import ForwardBatcher
+from .draft import DraftSpec, ModelDrafter, Proposal, _Builder
+from .paged import BlockPool, ForwardItem, PagedModel, PagedSequence, chain_item
+from .tree import TokenTree, ancestor_mask, positions
+
+
+class PagedTarget:
+    """The target: each request is a PagedSequence (its block table in the pool)."""
+
+    def __init__(self, model, pool: BlockPool, batcher: ForwardBatcher):
+        self.model, self.pool, self.batcher = model, pool, batcher
+
+    def new_state(self, reserve_tokens: int = 0) -> PagedSequence:
+        return PagedSequence(self.pool, reserve_tokens)
+
+    def prefill(self, state: PagedSequence, prompt_ids: list[int]) -> torch.Tensor:  # -> [V]
+        logits = self.batcher.submit(chain_item(state, list(prompt_ids)))  # [1, V]
+        state.keep(list(range(len(prompt_ids))))
+        return logits[0].cpu()
+
+    def forward_tree(self, state: PagedSequence, tree: TokenTree) -> torch.Tensor:  # -> [N, V]
+        item = ForwardItem(state, tree.tokens, positions(tree.parents, state.length), ancestor_mask(tree.parents),
+                           torch.arange(tree.size))
+        return self.batcher.submit(item)
+
+    def commit(self, state: PagedSequence, prefix_length: int, path: tuple[int, ...]) -> None:
+        assert prefix_length == state.length, "commit must follow forward_tree on the same state"
+        state.keep(list(path))
+
+    def release(self, state: PagedSequence) -> None:
+        state.release()
+
+
+class PagedDrafter(ModelDrafter):
+    """A neural SSM drafting over its own pool; one forward per tree level for all requests."""
+
+    def __init__(self, model, proposer: int, name: str, pool: BlockPool, batcher: ForwardBatcher):
+        super().__init__(model, proposer, name)
+        self.pool, self.batcher = pool, batcher
+
+    def new_state(self, reserve_tokens: int = 0) -> PagedSequence:
+        return PagedSequence(self.pool, reserve_tokens)
+
+    def release(self, state: PagedSequence) -> None:
+        state.release()
+
+    def draft(self, state: PagedSequence, committed: list[int], spec: DraftSpec,
+              generator: torch.Generator) -> Proposal:
+        with self.batcher.participant():  # batches wait for this request's next level
+            return super().draft(state, committed, spec, generator)
+
+    def _extend(self, state: PagedSequence, committed: list[int]) -> torch.Tensor:  # -> [V]
+        state.truncate(min(state.length, len(committed) - 1))
+        fresh = committed[state.length:]
+        logits = self.batcher.submit(chain_item(state, fresh))  # [1, V]
+        state.keep(list(range(len(fresh))))
+        return logits[0].cpu()
+
+    def _forward_level(self, state: PagedSequence, builder: _Builder, level: list[int], cached: list[int],
+                       depth: int, committed_length: int) -> torch.Tensor:  # -> [F, V]
+        parents = torch.tensor(builder.parents, dtype=torch.long)
+        visible = ancestor_mask(parents)[level][:, cached + level]  # [F, K]
+        tokens = torch.tensor([builder.tokens[n] for n in level], dtype=torch.long)
+        item = ForwardItem(state, tokens, torch.full_like(tokens, committed_length - 1 + depth), visible,
+                           torch.arange(len(level)))
+        return self.batcher.submit(item).cpu()
+
+    def _rollback(self, state: PagedSequence, length: int) -> None:
+        state.truncate(length)
+
+
+def paged_parts(model, tokens: int, block_size: int = 16, window_s: float = 0.0,
+                expected=None) -> tuple[BlockPool, ForwardBatcher]:
+    """A pool of ``tokens`` slots for ``model`` and a batcher over it."""
+    pool = BlockPool.for_model(model, tokens, block_size)
+    return pool, ForwardBatcher(PagedModel(model, pool), window_s, expected)
+
+
+def time_packed_forward(model: PagedModel, total_tokens: int, prefix: int = 256, repeats: int = 3) -> float:
+    """Median ms of one packed forward of ``total_tokens`` chain tokens on a ``prefix`` cache."""
+    sequence = PagedSequence(model.pool)
+    model.forward([chain_item(sequence, list(range(prefix)))])
+    sequence.keep(list(range(prefix)))
+    times = []
+    for _ in range(repeats + 1):
+        began = time.perf_counter()
+        model.forward([chain_item(sequence, list(range(total_tokens)), last_only=False)])
+        times.append((time.perf_counter() - began) * 1e3)
+        sequence.truncate(prefix)
+    sequence.release()
+    return sorted(times[1:])[len(times[1:]) // 2]

@@ -1,0 +1,129 @@
+"""Continuous batching of forwards: every request thread that is inside a step submits its
+forward, and one packed forward runs once every such thread is waiting.
+
+A request thread enters ``participant()`` for a whole draft or verify call. ``submit`` blocks
+until its forward has run; the batch runs as soon as every participant is waiting on a
+submission (nobody is left who could still add to it), on the thread that completed the set.
+Threads that arrive while a batch runs join the next one, so requests join and leave between
+forwards and a long request never holds a new one back by more than one forward.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from .paged import ForwardItem, PagedModel
+
+
+@dataclass
+class _Ticket:
+    item: ForwardItem
+    done: bool = False
+    result: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class BatchCounters:
+    """What the batcher did: forwards run, items and tokens in them (for metrics and tests)."""
+
+    forwards: int = 0
+    items: int = 0
+    tokens: int = 0
+    largest: int = 0
+
+
+class ForwardBatcher:
+    """``expected()``: how many requests may submit soon (e.g. the running ones); while fewer are
+    queued, a batch waits up to ``window_s`` for them (calls from different requests arrive a
+    few milliseconds apart)."""
+
+    def __init__(self, model: PagedModel, window_s: float = 0.0, expected: Callable[[], int] | None = None,
+                 on_batch: Callable[[int, int], None] | None = None):
+        self.model, self.on_batch = model, on_batch
+        self.window_s, self.expected = window_s, expected
+        self._opened = 0.0
+        self.counters = BatchCounters()
+        self._cond = threading.Condition()
+        self._queue: list[_Ticket] = []
+        self._active = 0
+        self._running = False
+        self._local = threading.local()
+
+    @contextmanager
+    def participant(self) -> Iterator[None]:
+        """Mark this thread as inside a step: batches wait for its next submission or its exit."""
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        if depth == 0:
+            with self._cond:
+                self._active += 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+            if depth == 0:
+                with self._cond:
+                    self._active -= 1
+                    self._cond.notify_all()
+                self._maybe_lead()
+
+    def submit(self, item: ForwardItem) -> torch.Tensor:  # -> [r, V]
+        with self.participant():
+            ticket = _Ticket(item)
+            with self._cond:
+                if not self._queue:
+                    self._opened = time.monotonic()
+                self._queue.append(ticket)
+                self._cond.notify_all()
+            while True:
+                self._maybe_lead()
+                with self._cond:
+                    if ticket.done:
+                        break
+                    self._cond.wait(timeout=max(0.001, min(0.05, self.window_s)))
+                    if ticket.done:
+                        break
+        if ticket.error is not None:
+            raise ticket.error
+        return ticket.result
+
+    def _maybe_lead(self) -> None:
+        """Run the queued batch on this thread if every participant is waiting."""
+        with self._cond:
+            if self._running or not self._queue or len(self._queue) < self._active or self._waiting_for_more():
+                return
+            batch, self._queue, self._running = self._queue, [], True
+        try:
+            results = self.model.forward([ticket.item for ticket in batch])
+            for ticket, result in zip(batch, results):
+                ticket.result = result
+        except BaseException as error:  # every request of the batch sees the failure
+            for ticket in batch:
+                ticket.error = error
+        finally:
+            self._count(batch)
+            with self._cond:
+                for ticket in batch:
+                    ticket.done = True
+                self._running = False
+                self._cond.notify_all()
+
+    def _waiting_for_more(self) -> bool:
+        if self.expected is None or self.window_s <= 0:
+            return False
+        return len(self._queue) < self.expected() and time.monotonic() - self._opened < self.window_s
+
+    def _count(self, batch: list[_Ticket]) -> None:
+        tokens = sum(len(ticket.item.tokens) for ticket in batch)
+        c = self.counters
+        c.forwards, c.items, c.tokens = c.forwards + 1, c.items + len(batch), c.tokens + tokens
+        c.largest = max(c.largest, len(batch))
+        if self.on_batch is not None:
+            self.on_batch(len(batch), tokens)

@@ -1,0 +1,229 @@
+"""Continuous batching over the paged KV pool, in-process (fp32 tiny models).
+
+Each request runs on its own thread; their forwards are packed into one target forward per
+step and one SSM forward per tree level. Outputs must equal each request run alone and the
+target's own greedy ``generate``; the pool's blocks must all come back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.batched import PagedDrafter, PagedTarget, paged_parts
+from engine.draft import ModelDrafter, NgramDrafter
+from engine.generate import GenerationRequest, SpeculationOptions, SpeculativeEngine
+from engine.paged import BlockPool, ForwardItem, PagedModel, PagedSequence, PoolExhausted, chain_item
+from engine.sampling import SamplingParams
+from engine.target import TargetModel
+from engine.tree import TokenTree, ancestor_mask, positions
+from tests.tiny_models import IdTokenizer, reference_greedy, tiny_model
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(2)
+    return tiny_model("llama", VOCAB, layers=2, seed=0), tiny_model("llama", VOCAB, layers=1, seed=1)
+
+
+def batched_engine(models, eos=(), tokens: int = 4096, block_size: int = 16) -> SpeculativeEngine:
+    target, ssm = models
+    target_pool, target_batcher = paged_parts(target, tokens, block_size)
+    ssm_pool, ssm_batcher = paged_parts(ssm, tokens, block_size)
+    drafters = [PagedDrafter(ssm, 0, "ssm", ssm_pool, ssm_batcher), NgramDrafter(1)]
+    return SpeculativeEngine(PagedTarget(target, target_pool, target_batcher), drafters, IdTokenizer(), eos, 1024)
+
+
+def pools(engine: SpeculativeEngine) -> list[BlockPool]:
+    return [engine.target.pool, engine.drafters[0].pool]
+
+
+def run_threads(engine, requests, delays, stop_after=None) -> list[list[int]]:
+    """Each request on its own thread, started after its delay; ``stop_after[i]`` steps then cancel."""
+    outputs: list = [None] * len(requests)
+
+    def run(i: int) -> None:
+        time.sleep(delays[i])
+        tokens, stream = [], engine.stream(requests[i])
+        for step, update in enumerate(stream):
+            tokens.extend(update.token_ids)
+            if stop_after and stop_after[i] is not None and step + 1 >= stop_after[i]:
+                stream.close()  # a cancel: the session releases its blocks
+                break
+        outputs[i] = tokens
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return outputs
+
+
+TREE = SpeculationOptions(expansion=(2, 2, 1))
+MIXED = [  # (prompt, max_new_tokens, speculation): mixed lengths and modes in one batch
+    (tuple(range(3, 8)), 20, TREE),
+    (tuple(range(10, 40)), 33, TREE),
+    (tuple(range(5, 17)), 7, SpeculationOptions(mode="incremental")),
+    (tuple(range(20, 31)), 41, SpeculationOptions(mode="sequence", sequence_depth=3)),
+    (tuple([7, 7, 9, 7, 7, 9, 7]), 25, SpeculationOptions(expansion=(3, 1, 1), proposers=("ngram",))),
+    (tuple(range(40, 90)), 12, SpeculationOptions(expansion=(2, 1, 1, 1), min_confidence=0.2)),
+]
+
+
+def test_batched_greedy_equals_alone_and_generate(models):
+    engine = batched_engine(models)
+    requests = [GenerationRequest(p, n, speculation=s) for p, n, s in MIXED]
+    expected = [reference_greedy(models[0], list(p), n) for p, n, _ in MIXED]
+    assert [list(engine.generate(r).token_ids) for r in requests] == expected  # alone
+    outputs = run_threads(engine, requests, delays=[0.0, 0.0, 0.01, 0.05, 0.1, 0.2])  # joins mid-run
+    assert outputs == expected
+    counters = engine.target.batcher.counters
+    assert counters.largest >= 3, counters  # forwards really were shared
+    assert engine.drafters[0].batcher.counters.largest >= 2
+    assert all(pool.num_free == pool.num_blocks and pool.num_unreserved == pool.num_blocks for pool in pools(engine))
+
+
+def test_eos_inside_trees_and_a_cancel_mid_run(models):
+    prompts = [tuple(range(12, 30)), tuple(range(50, 56)), tuple(range(60, 75))]
+    references = [reference_greedy(models[0], list(p), 30) for p in prompts]
+    eos = references[0][9]  # an EOS the first request meets mid-output (maybe inside a tree)
+    engine = batched_engine(models, eos=[eos])
+    requests = [GenerationRequest(p, 30, speculation=TREE) for p in prompts]
+    outputs = run_threads(engine, requests, delays=[0.0, 0.0, 0.02], stop_after=[None, 2, None])
+    for output, reference in zip([outputs[0], outputs[2]], [references[0], references[2]]):
+        cut = reference.index(eos) + 1 if eos in reference else len(reference)
+        assert output == reference[:cut]
+    assert outputs[1] == references[1][:len(outputs[1])] and len(outputs[1]) < 30  # cancelled after 2 steps
+    assert all(pool.num_free == pool.num_blocks for pool in pools(engine))
+
+
+def test_failed_request_returns_its_blocks(models, monkeypatch):
+    engine = batched_engine(models)
+    original = PagedDrafter._forward_level
+
+    def fail_for_long_prompts(self, state, builder, level, cached, depth, committed_length):
+        if committed_length > 40:
+            raise RuntimeError("injected SSM failure")
+        return original(self, state, builder, level, cached, depth, committed_length)
+
+    monkeypatch.setattr(PagedDrafter, "_forward_level", fail_for_long_prompts)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.generate(GenerationRequest(tuple(range(1, 50)), 10, speculation=TREE))
+    assert engine.generate(GenerationRequest(tuple(range(1, 10)), 10, speculation=TREE)).token_ids
+    assert all(pool.num_free == pool.num_blocks for pool in pools(engine))
+
+
+def test_sampled_requests_with_different_settings_in_one_batch_are_reproducible(models):
+    engine = batched_engine(models)
+    settings_ = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_k=10, seed=2),
+                 SamplingParams(temperature=0.0), SamplingParams(temperature=1.2, top_p=0.9, seed=3)]
+    children = ["sampled", "sampled_without_replacement", "top_k", "top_k"]
+    requests = [GenerationRequest(tuple(range(20, 32)), 24, s, SpeculationOptions(expansion=(2, 2), children=c))
+                for s, c in zip(settings_, children)]
+    alone = [engine.generate(r).token_ids for r in requests]
+    batched = run_threads(engine, requests, delays=[0.0] * 4)
+    assert [tuple(b) for b in batched] == alone
+
+
+TREES = [([5, 6, 7, 8], [-1, 0, 1, 2]), ([5, 6, 7, 8, 9, 10, 11], [-1, 0, 0, 1, 1, 2, 5]), ([42], [-1])]
+
+
+def test_packed_forward_logits_equal_the_dynamic_cache_path(models):
+    """Three requests packed into one forward: each one's tree logits equal TargetModel's alone,
+    before and after a commit of a non-first branch."""
+    target = models[0]
+    pool = BlockPool.for_model(target, 1024, block_size=4)
+    paged, plain = PagedModel(target, pool), TargetModel(target)
+    prompts = [list(range(10, 10 + n)) for n in (5, 13, 2)]
+    sequences, states = [PagedSequence(pool) for _ in prompts], [plain.new_state() for _ in prompts]
+    paged.forward([chain_item(s, p) for s, p in zip(sequences, prompts)])
+    for sequence, state, prompt in zip(sequences, states, prompts):
+        sequence.keep(list(range(len(prompt))))
+        plain.prefill(state, prompt)
+    trees = [TokenTree(torch.tensor(t), torch.tensor(p)) for t, p in TREES]
+    for _ in range(2):
+        items = [ForwardItem(s, t.tokens, positions(t.parents, s.length), ancestor_mask(t.parents),
+                             torch.arange(t.size)) for s, t in zip(sequences, trees)]
+        packed = paged.forward(items)
+        for logits, sequence, state, tree in zip(packed, sequences, states, trees):
+            prefix = state.length
+            expected = plain.forward_tree(state, tree)
+            assert (logits - expected).abs().max().item() < 1e-4
+            path = (0, tree.size - 1) if tree.size > 1 else (0,)
+            plain.commit(state, prefix, path)
+            sequence.keep(list(path))
+            assert sequence.length == state.length
+
+
+def test_block_table_slots_and_keep_move_only_the_path():
+    pool = BlockPool(num_layers=1, kv_heads=1, head_dim=1, num_blocks=8, block_size=4, dtype=torch.float32)
+    sequence = PagedSequence(pool)
+    slots = sequence.append(10)  # entries 0..9 as speculative
+    pool.keys[0][slots, 0, 0] = torch.arange(10, dtype=torch.float32)
+    sequence.keep(list(range(6)))  # commit 6, drop 4
+    assert (sequence.length, len(sequence.blocks)) == (6, 2)
+    new = sequence.append(5)  # tree nodes 0..4 at entries 6..10
+    pool.keys[0][new, 0, 0] = torch.tensor([60.0, 61, 62, 63, 64])
+    sequence.keep([0, 3, 4])
+    assert pool.keys[0][sequence.slots(0, 9), 0, 0].tolist() == [0, 1, 2, 3, 4, 5, 60, 63, 64]
+    assert len(sequence.blocks) == 3 and pool.num_free == 5
+    sequence.release()
+    assert pool.num_free == 8
+
+
+def test_reservation_admits_by_memory():
+    pool = BlockPool(num_layers=1, kv_heads=1, head_dim=1, num_blocks=4, block_size=4, dtype=torch.float32)
+    first = PagedSequence(pool, reserve_tokens=10)  # 3 blocks promised
+    with pytest.raises(PoolExhausted):
+        PagedSequence(pool, reserve_tokens=5)  # 2 more do not fit
+    second = PagedSequence(pool, reserve_tokens=4)
+    first.append(10)
+    with pytest.raises(PoolExhausted):
+        second.append(5)  # beyond its own reservation, nothing unreserved is left
+    first.release()
+    second.release()
+    assert (pool.num_free, pool.num_unreserved) == (4, 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["append", "keep", "truncate", "release"]), st.integers(0, 3),
+                          st.integers(1, 9)), max_size=40))
+def test_pool_accounting_property(operations):
+    """Any mix of appends, commits, truncations and releases: used + free blocks = all blocks,
+    every block is owned at most once, and releasing everything restores the pool."""
+    pool = BlockPool(num_layers=1, kv_heads=1, head_dim=1, num_blocks=64, block_size=3, dtype=torch.float32)
+    sequences = [PagedSequence(pool, reserve_tokens=6) for _ in range(4)]
+    for operation, index, count in operations:
+        sequence = sequences[index]
+        if operation == "append" and pool.num_unreserved + sequence.reserved >= pool.blocks_for(count) + 1:
+            sequence.append(count)
+        elif operation == "keep" and sequence.pending:
+            sequence.keep(list(range(min(count, sequence.pending))))
+        elif operation == "truncate":
+            sequence.truncate(count)
+        elif operation == "release":
+            sequence.release()
+        owned = [block for s in sequences for block in s.blocks]
+        assert len(owned) == len(set(owned)) and len(owned) + pool.num_free == pool.num_blocks
+        assert all(len(s.blocks) == pool.blocks_for(s.length + s.pending) for s in sequences)
+    for sequence in sequences:
+        sequence.release()
+    assert pool.num_free == pool.num_unreserved == pool.num_blocks
+
+
+def test_plain_model_path_still_works_after_paging(models):
+    """The paged attention falls back to SDPA without a packed batch: one model serves both paths."""
+    target, ssm = models
+    paged_parts(target, 256)
+    engine = SpeculativeEngine(TargetModel(target), [ModelDrafter(ssm, 0, "ssm")], IdTokenizer(), [], 1024)
+    prompt = tuple(range(30, 45))
+    assert list(engine.generate(GenerationRequest(prompt, 16, speculation=TREE)).token_ids) == reference_greedy(
+        target, list(prompt), 16)
