@@ -19,7 +19,8 @@ Method spellings (``--methods``, comma-separated):
 
 Each (prompt, method) result is appended to ``OUT/rows.jsonl`` as soon as it exists, and a rerun
 skips the pairs already there, so an interrupted run resumes. ``OUT/results.json`` (per-prompt
-rows and a per-method summary), ``OUT/results.md`` and PNG plots are rewritten at the end.
+rows and a per-method summary), ``OUT/results.md`` and PNG plots are rewritten at the end. With
+``--via grpc ADDRESS --concurrency 1,2,4,8`` load levels follow (``cluster/bench_load.py``).
 """
 
 from __future__ import annotations
@@ -321,6 +322,21 @@ def hf_assisted_row(engine, method: Method, prompt: EncodedPrompt, max_new_token
                     ms_per_token=latency_ms / max(len(tokens), 1), latency_ms=latency_ms)
 
 
+def grpc_request(method: Method, prompt: EncodedPrompt, max_new_tokens: int, sampling: SamplingParams):
+    """The GenerateRequest for one method and prompt (raw prompts as ``prompt``, chat prompts as one
+    user message, so the server applies the same chat template)."""
+    from .serve_client import build_request
+
+    if method.kind != "engine":
+        raise ValueError(f"{method.spelling} cannot run through gRPC")
+    o, text = method.options, prompt.prompt.text
+    return build_request(
+        prompt=None if prompt.prompt.chat else text, messages=[("user", text)] if prompt.prompt.chat else (),
+        max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+        top_k=sampling.top_k, seed=sampling.seed, mode=o.mode, expansion=o.expansion, ssms=o.proposers or (),
+        children=o.children, sequence_depth=o.sequence_depth)
+
+
 class GrpcRunner:
     """Runs methods against a running server's Generate RPC (raw prompts as ``prompt``, chat prompts
     as one user message, so the server applies the same chat template)."""
@@ -331,16 +347,9 @@ class GrpcRunner:
         self.client, self.timeout_s = Client(address), timeout_s
 
     def run(self, method: Method, prompt: EncodedPrompt, max_new_tokens: int, sampling: SamplingParams) -> BenchRow:
-        from .serve_client import build_request, response_dict
+        from .serve_client import response_dict
 
-        if method.kind != "engine":
-            raise ValueError(f"{method.spelling} cannot run through gRPC")
-        o, text = method.options, prompt.prompt.text
-        request = build_request(
-            prompt=None if prompt.prompt.chat else text, messages=[("user", text)] if prompt.prompt.chat else (),
-            max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k, seed=sampling.seed, mode=o.mode, expansion=o.expansion, ssms=o.proposers or (),
-            children=o.children, sequence_depth=o.sequence_depth)
+        request = grpc_request(method, prompt, max_new_tokens, sampling)
         started = time.perf_counter()
         response = self.client.generate(request, timeout=self.timeout_s)
         latency_ms = (time.perf_counter() - started) * 1e3
@@ -370,10 +379,19 @@ class BenchSettings:
     via: str | None = None  # gRPC address; None: in-process
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
     warmup_tokens: int = 16  # one short warm-up generation per method, not recorded; 0 disables
+    concurrency: tuple[int, ...] = ()  # load-test levels (client streams kept busy); needs via
+    requests: int | None = None  # requests per load level; None: max(prompts, largest level)
+    label: str | None = None  # stored with the results, e.g. the server-side setting under test
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 1 or self.warmup_tokens < 0:
             raise ValueError("num_prompts, max_new_tokens and max_prompt_tokens must be >= 1, warmup_tokens >= 0")
+        if self.concurrency and not self.via:
+            raise ValueError("--concurrency needs --via grpc HOST:PORT: load tests run against a server")
+        if any(level < 1 for level in self.concurrency) or len(set(self.concurrency)) != len(self.concurrency):
+            raise ValueError(f"concurrency levels must be distinct and >= 1, got {list(self.concurrency)}")
+        if self.requests is not None and (self.requests < 1 or not self.concurrency):
+            raise ValueError("--requests (>= 1) sets the requests per --concurrency level: give --concurrency too")
 
 
 def run_identity(settings: BenchSettings, config: EngineConfig) -> dict:
@@ -381,7 +399,7 @@ def run_identity(settings: BenchSettings, config: EngineConfig) -> dict:
     engine = config.model_dump(include={"dtype", "target", "ssms", "ngram", "speculation"}, mode="json")
     return {"dataset": settings.dataset, "max_new_tokens": settings.max_new_tokens,
             "max_prompt_tokens": settings.max_prompt_tokens, "sampling": asdict(settings.sampling),
-            "via": settings.via, "engine": engine}
+            "via": settings.via, "engine": engine, **({"label": settings.label} if settings.label else {})}
 
 
 def check_run_identity(path: Path, identity: dict) -> None:
@@ -458,6 +476,10 @@ def run_bench(settings: BenchSettings, config: EngineConfig | None = None, runne
         if created:
             runner.close()
     results = summarize(store.rows, methods, workload, settings, config)
+    if settings.concurrency:
+        from .bench_load import run_load
+
+        results["load"] = run_load(settings, methods, workload)
     write_outputs(settings.out, results)
     return results
 
@@ -590,7 +612,8 @@ def summarize(rows: dict[tuple[str, str], BenchRow], methods: Sequence[Method], 
                             **method_summary([r for r in per_prompt if r["method"] == m.spelling])} for m in methods}
     run = {"config": settings.config, "dataset": settings.dataset, "num_prompts": len(workload),
            "max_new_tokens": settings.max_new_tokens, "dtype": config.dtype, "sampling": asdict(settings.sampling),
-           "via": settings.via, "methods": [m.spelling for m in methods],
+           "via": settings.via, "label": settings.label, "concurrency": list(settings.concurrency),
+           "methods": [m.spelling for m in methods],
            "proposers": list(Proposers.from_config(config).names), "expansion": config.speculation.expansion}
     return {"settings": run, "environment": environment(), "summary": summary, "per_prompt": per_prompt}
 

@@ -12,7 +12,7 @@ from typing import Sequence
 
 logger = logging.getLogger(__name__)
 
-PLOTS = ("speedup", "accepted_lengths", "acceptance_by_depth", "proposer_share")
+PLOTS = ("speedup", "accepted_lengths", "acceptance_by_depth", "proposer_share", "load")
 
 
 def _save(plt, fig, path: Path) -> None:
@@ -75,13 +75,44 @@ def proposer_table(summary: dict) -> list[str]:
     return lines
 
 
+def _same_cell(value: bool | None) -> str:
+    return "n/a" if value is None else ("yes" if value else "**no**")
+
+
+def load_table(load: dict) -> list[str]:
+    """The load table: one row per (method, concurrency), with the run's label in every row."""
+    lines = ["| label | method | concurrency | requests | errors | agg tok/s | agg tok/s vs C=1 | ms/token p50 "
+             "| ms/token p95 | TTFT ms p50 | TTFT ms p95 | same tokens at every C |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    same = load["identical_across_concurrency"]
+    for r in load["levels"]:
+        lines.append(f"| {load['label'] or '-'} | `{r['method']}` | {r['concurrency']} | {r['requests']} "
+                     f"| {r['errors']} | {_num(r['aggregate_tokens_per_s'], 1)} "
+                     f"| {_num(r['speedup_vs_concurrency_1'])} | {_num(r['ms_per_token_p50'], 1)} "
+                     f"| {_num(r['ms_per_token_p95'], 1)} | {_num(r['ttft_ms_p50'], 0)} "
+                     f"| {_num(r['ttft_ms_p95'], 0)} | {_same_cell(same.get(r['method']))} |")
+    return lines
+
+
+def load_section(load: dict) -> list[str]:
+    """Heading, definitions, the table and any error messages."""
+    errors = sorted({e for r in load["levels"] for e in r["error_examples"]})
+    return [f"## Load: {load['requests_per_level']} requests per concurrency level", "",
+            "C client streams kept busy per level (GenerateStream, prompts cycled). agg tok/s: new tokens of "
+            "all successful requests / wall time of the level; ms/token: "
+            f"{load['ms_per_token_definition']}; TTFT: time to the first token, queueing included. Same tokens "
+            "at every C: every request of one prompt got the same token ids at every level.", "",
+            *load_table(load), "", *([f"Errors: {'; '.join(errors)}", ""] if errors else [])]
+
+
 def write_markdown(path: Path, results: dict, plots: Sequence[Path] = ()) -> None:
     run, env = results["settings"], results["environment"]
     sampling = run["sampling"]
     decoding = "greedy" if not sampling["temperature"] else (
         f"temperature {sampling['temperature']}, top-p {sampling['top_p']}, top-k {sampling['top_k']}, "
         f"seed {sampling['seed']}")
-    lines = [f"# Benchmark: {run['dataset']}", "",
+    label = f" ({run['label']})" if run.get("label") else ""
+    lines = [f"# Benchmark: {run['dataset']}{label}", "",
              f"`{run['config']}` ({run['dtype']}), {run['num_prompts']} prompts, up to {run['max_new_tokens']} new "
              f"tokens, {decoding}, {'gRPC ' + run['via'] if run['via'] else 'in-process'}; proposers "
              f"{', '.join(run['proposers']) or 'none'}, default schedule {run['expansion']}.",
@@ -95,6 +126,8 @@ def write_markdown(path: Path, results: dict, plots: Sequence[Path] = ()) -> Non
         lines += ["Share of accepted tokens credited to each proposer:", "", *shares, ""]
     lines += ["Outputs equal `incremental` token for token in float32; in bfloat16 (and when sampling) they may "
               "drift apart by rounding, so a match below 100% there is expected.", ""]
+    if results.get("load"):
+        lines += load_section(results["load"])
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
@@ -191,13 +224,39 @@ def plot_proposer_share(plt, results: dict, path: Path) -> bool:
     return True
 
 
+def plot_load(plt, results: dict, path: Path) -> bool:
+    """Aggregate tokens/s and ms/token p50 against concurrency, one line per method."""
+    load = results.get("load")
+    if not load or not load["levels"]:
+        return False
+    fig, (rate_axis, latency_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    for method in dict.fromkeys(r["method"] for r in load["levels"]):
+        rows = [r for r in load["levels"] if r["method"] == method]
+        levels = [r["concurrency"] for r in rows]
+        for axis, key in ((rate_axis, "aggregate_tokens_per_s"), (latency_axis, "ms_per_token_p50")):
+            axis.plot(levels, [float("nan") if r[key] is None else r[key] for r in rows], marker="o", label=method)
+    for axis, ylabel in ((rate_axis, "aggregate output tokens / s"), (latency_axis, "ms / token, p50")):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(load["concurrency"], [str(c) for c in load["concurrency"]])
+        axis.set_xlabel("concurrency (client streams)")
+        axis.set_ylabel(ylabel)
+        axis.set_ylim(0, axis.get_ylim()[1] * 1.1)  # from zero, with room above the highest point
+        axis.legend(fontsize="small")
+    label = f" ({load['label']})" if load["label"] else ""
+    fig.suptitle(f"Load: {results['settings']['dataset']}{label}")
+    _save(plt, fig, path)
+    return True
+
+
 def write_plots(out: Path, results: dict) -> list[Path]:
-    """speedup.png, accepted_lengths.png, acceptance_by_depth.png, proposer_share.png (those with data)."""
+    """speedup.png, accepted_lengths.png, acceptance_by_depth.png, proposer_share.png and load.png
+    (those with data)."""
     plt = _pyplot()
     if plt is None:
         return []
     drawers = {"speedup": plot_speedup, "accepted_lengths": plot_accepted_lengths,
-               "acceptance_by_depth": plot_acceptance_by_depth, "proposer_share": plot_proposer_share}
+               "acceptance_by_depth": plot_acceptance_by_depth, "proposer_share": plot_proposer_share,
+               "load": plot_load}
     written = []
     for name in PLOTS:
         path = out / f"{name}.png"

@@ -36,7 +36,16 @@ def add_parsers(subparsers) -> None:
     bench.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts (default 1024)")
     bench.add_argument("--warmup-tokens", type=int, default=16,
                        help="tokens of the one unrecorded warm-up generation per method (0: none)")
-    bench.set_defaults(handler=run_bench_command)
+    bench.add_argument("--label", default=None,
+                       help="a name stored with the results and shown in results.md (e.g. the server-side "
+                            "setting under test: --label batching, --label no-batching)")
+    load = bench.add_argument_group("load test (needs --via grpc ADDRESS)")
+    load.add_argument("--concurrency", type=concurrency_levels, default=(), metavar="C1,C2,...",
+                      help="after the per-prompt comparison, keep C client streams busy per level and method "
+                           "(e.g. 1,2,4,8); adds a load table, load.png and results.json 'load'")
+    load.add_argument("--requests", type=int, default=None,
+                      help="requests per concurrency level (prompts cycled; default: max(prompts, largest C))")
+    bench.set_defaults(handler=run_bench_command, bench_parser=bench)
 
     experiment = subparsers.add_parser(
         "experiment", help="SSM subsets x schedules x datasets (configs/experiments/*.yaml)",
@@ -51,6 +60,29 @@ def add_parsers(subparsers) -> None:
     experiment.set_defaults(handler=run_experiment_command)
 
 
+def concurrency_levels(text: str) -> tuple[int, ...]:
+    """``1,2,4,8`` -> (1, 2, 4, 8); argparse reports anything else."""
+    try:
+        levels = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2,4,8, got {text!r}") from None
+    if any(level < 1 for level in levels) or len(set(levels)) != len(levels):
+        raise argparse.ArgumentTypeError(f"levels must be distinct integers >= 1, got {text!r}")
+    return levels
+
+
+def check_load_arguments(args: argparse.Namespace) -> None:
+    """--concurrency and --requests need a server (argparse error, exit code 2, otherwise)."""
+    parser = args.bench_parser
+    if args.concurrency and not args.via:
+        parser.error("--concurrency needs --via grpc HOST:PORT: load tests run against a running server "
+                     "(e.g. --via grpc 127.0.0.1:9000 --concurrency 1,2,4,8)")
+    if args.requests is not None and not args.concurrency:
+        parser.error("--requests sets the requests per --concurrency level: give --concurrency too")
+    if args.requests is not None and args.requests < 1:
+        parser.error(f"--requests must be >= 1, got {args.requests}")
+
+
 def bench_settings(args: argparse.Namespace):
     from .bench import GREEDY_METHODS, SAMPLED_METHODS, BenchSettings
 
@@ -62,16 +94,19 @@ def bench_settings(args: argparse.Namespace):
     return BenchSettings(config=args.config, dataset=args.dataset, out=args.out, methods=methods,
                          num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                          sampling=sampling, via=args.via[1] if args.via else None,
-                         max_prompt_tokens=args.max_prompt_tokens, warmup_tokens=args.warmup_tokens)
+                         max_prompt_tokens=args.max_prompt_tokens, warmup_tokens=args.warmup_tokens,
+                         concurrency=args.concurrency, requests=args.requests, label=args.label)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
+    check_load_arguments(args)
     settings = bench_settings(args)
     run_bench(settings)
     print((settings.out / "results.md").read_text(encoding="utf-8"))
-    print(f"wrote {settings.out}/results.json, results.md, rows.jsonl and plots")
+    load = ", load.jsonl" if settings.concurrency else ""
+    print(f"wrote {settings.out}/results.json, results.md, rows.jsonl{load} and plots")
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Checks: end-to-end outputs (results.json / .md / PNGs), resume (a finished run generates nothing,
 a cut-off row is redone), greedy fp32 outputs equal incremental for every method (hf-assisted
-included), the gRPC path against an in-process server, the workload loaders, the experiment.
+included), the gRPC path against an in-process server, the load test (--concurrency) through it,
+the workload loaders, the experiment.
 """
 
 from __future__ import annotations
@@ -265,40 +266,77 @@ def test_bench_sampled_child_rules(bench_config, prompts_file, tmp_path):
     assert "temperature 0.8" in (tmp_path / "sampled" / "results.md").read_text()
 
 
-def test_bench_via_grpc_matches_in_process(bench_config, prompts_file, tmp_path):
-    grpc = pytest.importorskip("grpc")
-    from cluster.build import build_engine, speculation_options
-    from cluster.config import load_config
+def tiny_servicer(config, engine):
+    """A SpecInfer servicer over one in-process engine. GenerateStream yields one chunk per engine
+    step; a lock makes concurrent requests take turns step by step (as the served step loop does),
+    so their sessions interleave on the one engine."""
+    import threading
+
+    from cluster.build import speculation_options
     from cluster.serve_requests import ModelLimits, finish_reason, parse_request, stats_message
     from engine.draft import ModelDrafter
     from protos import specinfer_pb2 as pb
     from protos import specinfer_pb2_grpc
 
-    config = load_config(bench_config)
-    engine = build_engine(config)
+    limits = ModelLimits(tuple(engine.names), tuple(isinstance(d, ModelDrafter) for d in engine.drafters),
+                         engine.max_context)
+    lock = threading.Lock()
+
+    def parsed(request):
+        return parse_request(request, config, speculation_options(config), engine.tokenizer, limits)
 
     class Servicer(specinfer_pb2_grpc.SpecInferServicer):
         def Generate(self, request, context):
-            limits = ModelLimits(tuple(engine.names), tuple(isinstance(d, ModelDrafter) for d in engine.drafters),
-                                 engine.max_context)
-            result = engine.generate(parse_request(request, config, speculation_options(config), engine.tokenizer,
-                                                   limits))
+            with lock:
+                result = engine.generate(parsed(request))
             return pb.GenerateResponse(text=result.text, token_ids=result.token_ids,
                                        finish_reason=finish_reason(result.finish_reason),
                                        stats=stats_message(result.stats))
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    specinfer_pb2_grpc.add_SpecInferServicer_to_server(Servicer(), server)
+        def GenerateStream(self, request, context):
+            updates = engine.stream(parsed(request))
+            while (update := _next_step(updates, lock)) is not None:
+                chunk = pb.GenerateChunk(text=update.text, token_ids=update.token_ids)
+                if update.finish_reason is not None:
+                    chunk.finish_reason = finish_reason(update.finish_reason)
+                    chunk.stats.CopyFrom(stats_message(update.stats))
+                yield chunk
+
+    return Servicer()
+
+
+def _next_step(updates, lock):
+    with lock:
+        return next(updates, None)
+
+
+@pytest.fixture(scope="module")
+def grpc_server(bench_config):
+    """An in-process SpecInfer gRPC server on the tiny models: (address, config, engine)."""
+    grpc = pytest.importorskip("grpc")
+    from cluster.build import build_engine
+    from cluster.config import load_config
+    from protos import specinfer_pb2_grpc
+
+    config = load_config(bench_config)
+    engine = build_engine(config)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    specinfer_pb2_grpc.add_SpecInferServicer_to_server(tiny_servicer(config, engine), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        methods = ("incremental", "sequence:3", "tree", "ensemble:2-1")
-        common = dict(config=str(bench_config), dataset=str(prompts_file), num_prompts=2, max_new_tokens=10,
-                      warmup_tokens=0, methods=methods)
-        remote = run_bench(BenchSettings(out=tmp_path / "grpc", via=f"127.0.0.1:{port}", **common))
-        local = run_bench(BenchSettings(out=tmp_path / "local", **common), runner=LocalRunner(config, engine))
+        yield f"127.0.0.1:{port}", config, engine
     finally:
         server.stop(None)
+
+
+def test_bench_via_grpc_matches_in_process(grpc_server, bench_config, prompts_file, tmp_path):
+    address, config, engine = grpc_server
+    methods = ("incremental", "sequence:3", "tree", "ensemble:2-1")
+    common = dict(config=str(bench_config), dataset=str(prompts_file), num_prompts=2, max_new_tokens=10,
+                  warmup_tokens=0, methods=methods)
+    remote = run_bench(BenchSettings(out=tmp_path / "grpc", via=address, **common))
+    local = run_bench(BenchSettings(out=tmp_path / "local", **common), runner=LocalRunner(config, engine))
     key = lambda r: (r["prompt_id"], r["method"])  # noqa: E731
     local_ids = {key(r): r["token_ids"] for r in local["per_prompt"]}
     assert {key(r): r["token_ids"] for r in remote["per_prompt"]} == local_ids
@@ -306,6 +344,49 @@ def test_bench_via_grpc_matches_in_process(bench_config, prompts_file, tmp_path)
     assert remote["summary"]["ensemble:2-1"]["outputs_match_incremental"] == 1.0
     with pytest.raises(ValueError, match="in-process only"):
         run_bench(BenchSettings(out=tmp_path / "bad", via="127.0.0.1:1", **{**common, "methods": ("hf-assisted",)}))
+
+
+def test_bench_load_levels_via_grpc(grpc_server, bench_config, prompts_file, tmp_path):
+    address, _, _ = grpc_server
+    out = tmp_path / "load"
+    assert bench_cli(bench_config, prompts_file, out, "--methods", "incremental,tree", "--via", "grpc", address,
+                     "--concurrency", "1,2", "--label", "tiny") == 0
+    results = json.loads((out / "results.json").read_text())
+    load = results["load"]
+    assert results["settings"]["label"] == load["label"] == "tiny" and load["concurrency"] == [1, 2]
+    assert load["requests_per_level"] == 3  # max(3 prompts, largest level 2)
+    levels = {(r["method"], r["concurrency"]): r for r in load["levels"]}
+    assert set(levels) == {(m, c) for m in ("incremental", "tree") for c in (1, 2)}
+    for level in levels.values():
+        assert (level["requests"], level["errors"], level["total_tokens"]) == (3, 0, 3 * 12), level
+        assert level["aggregate_tokens_per_s"] > 0 and 0 < level["ms_per_token_p50"] <= level["ms_per_token_p95"]
+        assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p95"]
+    assert levels[("tree", 1)]["speedup_vs_concurrency_1"] == 1.0
+    assert load["identical_across_concurrency"] == {"incremental": True, "tree": True}
+    stored = [json.loads(line) for line in (out / "load.jsonl").read_text().splitlines()]
+    per_prompt = {(r["prompt_id"], r["method"]): r["token_ids"] for r in results["per_prompt"]}
+    assert all(request["token_ids"] == per_prompt[(request["prompt_id"], level["method"])]
+               for level in stored for request in level["requests"])  # = the sequential run's tokens
+    markdown = (out / "results.md").read_text()
+    assert "| label | method | concurrency |" in markdown and "| tiny | `tree` | 2 | 3 | 0 |" in markdown
+    assert (out / "load.png").stat().st_size > 1000
+    # A rerun runs no level again.
+    assert bench_cli(bench_config, prompts_file, out, "--methods", "incremental,tree", "--via", "grpc", address,
+                     "--concurrency", "1,2", "--label", "tiny") == 0
+    assert len((out / "load.jsonl").read_text().splitlines()) == 4
+
+
+def test_bench_concurrency_needs_via(bench_config, prompts_file, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_cli(bench_config, prompts_file, tmp_path / "x", "--concurrency", "1,2")
+    assert exit_info.value.code == 2
+    assert "--concurrency needs --via grpc HOST:PORT" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_cli(bench_config, prompts_file, tmp_path / "x", "--via", "grpc", "127.0.0.1:1", "--concurrency", "0")
+    assert "levels must be distinct integers >= 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--via"):
+        BenchSettings(config=str(bench_config), dataset=str(prompts_file), out=tmp_path / "x", concurrency=(1,))
+    assert not (tmp_path / "x").exists()
 
 
 def test_experiment_on_tiny_models(models_dir, prompts_file, tmp_path, monkeypatch):

@@ -486,6 +486,27 @@ def tiny_engine(tiny_models) -> SpeculativeEngine:
     return SpeculativeEngine(TargetModel(target), drafters, tiny_tokenizer(E2E_VOCAB), eos_ids=())
 
 
+@pytest.fixture(scope="module")
+def tiny_batched_engine(tiny_models) -> SpeculativeEngine:
+    """The same models over paged KV pools, forwards batched across request threads."""
+    from engine.batched import PagedDrafter, PagedTarget, paged_parts
+
+    target, ssm = tiny_models
+    target_pool, target_batcher = paged_parts(target, 4096)
+    ssm_pool, ssm_batcher = paged_parts(ssm, 4096)
+    drafters = [PagedDrafter(ssm, 0, "ssm", ssm_pool, ssm_batcher)]
+    return SpeculativeEngine(PagedTarget(target, target_pool, target_batcher), drafters, tiny_tokenizer(E2E_VOCAB),
+                             eos_ids=())
+
+
+def generate_batched(engine: SpeculativeEngine, requests: list[GenerationRequest], threads: int = 4) -> list:
+    """Results of ``requests`` run ``threads`` at a time, so their forwards share batches."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(engine.generate, requests))
+
+
 @torch.inference_mode()
 def target_first_two(model, prompt: tuple[int, ...], sampling: SamplingParams) -> np.ndarray:  # -> [V, V]
     """Exact distribution of the first two tokens, from the target's own forwards."""
@@ -504,14 +525,19 @@ E2E_CASES = [
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("name,options,sampling", E2E_CASES, ids=[c[0] for c in E2E_CASES])
-def test_engine_first_two_tokens_are_target_distributed(tiny_engine, tiny_models, name, options, sampling):
-    samples, accepted = [], 0
-    for seed in range(E2E_SAMPLES):
-        result = tiny_engine.generate(GenerationRequest(E2E_PROMPT, 2, replace(sampling, seed=seed), options))
-        samples.append(result.token_ids)
-        accepted += result.stats.accepted_tokens
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+def test_engine_first_two_tokens_are_target_distributed(tiny_engine, tiny_batched_engine, tiny_models, name, options,
+                                                        sampling, batched):
+    requests = [GenerationRequest(E2E_PROMPT, 2, replace(sampling, seed=seed), options) for seed in range(E2E_SAMPLES)]
+    if batched:
+        results = generate_batched(tiny_batched_engine, requests)
+        assert tiny_batched_engine.target.batcher.counters.largest >= 2
+    else:
+        results = [tiny_engine.generate(request) for request in requests]
+    samples = [r.token_ids for r in results]
+    accepted = sum(r.stats.accepted_tokens for r in results)
     result = chi_square(samples, target_first_two(tiny_models[0], E2E_PROMPT, sampling))
-    report(f"end-to-end {name}", result)
+    report(f"end-to-end {name}{' batched' if batched else ''}", result)
     print(f"     {accepted} draft tokens accepted over {E2E_SAMPLES} requests")
     assert result.pvalue > THRESHOLD
     assert accepted > 0.15 * E2E_SAMPLES  # speculation really happened
