@@ -7,13 +7,15 @@ proposals travel SSM -> merge actor -> verifier as object references.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from dataclasses import replace
-from typing import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Callable
 
 from engine.draft import Proposal
 from engine.generate import (GenerationRequest, GenerationStats, StepUpdate, advance, plan_proposers,
                              record_step, root_only_proposal)
+from engine.paged import PoolExhausted
 from engine.text import TextStream
 
 from .group import ActorGroup
@@ -21,14 +23,23 @@ from .group import ActorGroup
 CANCELLED = "cancelled"  # finish reason when an actor dropped the request (released or expired)
 
 
+@dataclass(frozen=True)
+class Admission:
+    """KV memory a request reserves in the verifier's pool, and how long it may wait for it."""
+
+    reserve_tokens: int = 0
+    timeout_s: float = 0.0
+
+
 class RemoteSession:
-    def __init__(self, group: ActorGroup, request: GenerationRequest, tokenizer, eos_ids, request_id: str):
+    """``tree_budget()``: the most nodes this request's tree may have this step (None: no cap)."""
+
+    def __init__(self, group: ActorGroup, request: GenerationRequest, tokenizer, eos_ids, request_id: str,
+                 admission: Admission = Admission(), tree_budget: Callable[[], int | None] = lambda: None):
         self.group, self.request, self.request_id = group, request, request_id
         self.eos_ids = frozenset(eos_ids)
-        plan = plan_proposers(group.names, group.neural, request.speculation)
-        specs = [(i, replace(spec, sampling=request.sampling)) for i, spec in plan]
-        self.ssm_specs = [(i, spec) for i, spec in specs if group.neural[i]]
-        self.ngram_spec = next((spec for i, spec in specs if not group.neural[i]), None)
+        self.admission, self.tree_budget = admission, tree_budget
+        self._plan(request.speculation.max_tree_nodes)
         self.stats = GenerationStats(mode=request.speculation.mode)
         self.committed = list(request.prompt_ids)
         self.text = TextStream(tokenizer, request.stop)
@@ -45,14 +56,38 @@ class RemoteSession:
     def release(self) -> None:
         self.group.release(self.request_id)
 
+    def _plan(self, max_tree_nodes: int) -> None:
+        options = replace(self.request.speculation, max_tree_nodes=max_tree_nodes)
+        plan = plan_proposers(self.group.names, self.group.neural, options)
+        specs = [(i, replace(spec, sampling=self.request.sampling)) for i, spec in plan]
+        self.ssm_specs = [(i, spec) for i, spec in specs if self.group.neural[i]]
+        self.ngram_spec = next((spec for i, spec in specs if not self.group.neural[i]), None)
+
     async def _prefill(self) -> StepUpdate:
-        first = await self.group.verifier.prefill.remote(self.request_id, self.committed, self.request.sampling)
+        first = await self._admit()
         if first is None:
             return self._cancelled()
         self.stats.target_steps = 1
         return self._emit([first])
 
+    async def _admit(self) -> int | None:
+        """Prefill, retried while the verifier's KV pool cannot promise this request's blocks."""
+        deadline = time.monotonic() + self.admission.timeout_s
+        while True:
+            try:
+                return await self.group.verifier.prefill.remote(self.request_id, self.committed,
+                                                                self.request.sampling, self.admission.reserve_tokens)
+            except PoolExhausted:
+                if time.monotonic() >= deadline:
+                    raise PoolExhausted(f"no KV memory for {self.admission.reserve_tokens} tokens within "
+                                        f"{self.admission.timeout_s:g} s (server.batching.admission_timeout_s); "
+                                        "retry later") from None
+                await asyncio.sleep(0.05)
+
     async def _step(self) -> StepUpdate:
+        budget = self.tree_budget()
+        if budget is not None:
+            self._plan(min(budget, self.request.speculation.max_tree_nodes))
         began = time.perf_counter()
         proposal_ref = self._draft()
         proposal: Proposal | None = await proposal_ref if not isinstance(proposal_ref, Proposal) else proposal_ref

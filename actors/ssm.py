@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
 from cluster.build import load_configured
 from cluster.config import EngineConfig
+from engine.batched import PagedDrafter
 from engine.draft import DraftSpec, ModelDrafter, Proposal
+from engine.paged import PagedSequence
 from engine.sampling import make_generator
 
+from .paging import Guard, batching_parts, make_dropper
 from .common import HoldsRequests, Vocabulary, setup_process, sweep_interval, vocabulary
 from .store import RequestStore, start_sweeper
 
@@ -22,8 +25,9 @@ from .store import RequestStore, start_sweeper
 class DraftState:
     """One request's SSM state: the KV cache of its committed tokens and its random stream."""
 
-    cache: DynamicCache
+    cache: DynamicCache | PagedSequence
     generator: torch.Generator
+    guard: Guard = field(default_factory=Guard)
 
 
 @dataclass(frozen=True)
@@ -43,9 +47,15 @@ class SSMActor(HoldsRequests):
         model_config = config.ssms[index]
         loaded = load_configured(config, model_config)
         self.index, self.name = index, model_config.name
-        self.drafter = ModelDrafter(loaded.model, index, model_config.name)
+        self.paged = config.server.batching.enabled
+        release = make_dropper(lambda state: state.cache.release()) if self.paged else None
+        self.store: RequestStore[DraftState] = RequestStore(config.server.request_ttl_s, on_drop=release)
+        if self.paged:  # a 25% larger pool: its releases may arrive after the verifier admitted more
+            pool, batcher = batching_parts(config, loaded.model, lambda: len(self.store), scale=1.25)
+            self.drafter = PagedDrafter(loaded.model, index, model_config.name, pool, batcher)
+        else:
+            self.drafter = ModelDrafter(loaded.model, index, model_config.name)
         self.vocabulary: Vocabulary = vocabulary(loaded)
-        self.store: RequestStore[DraftState] = RequestStore(config.server.request_ttl_s)
         self._stop_sweeper = start_sweeper(self.store, sweep_interval(config.server.request_ttl_s))
         self.timings: deque[DraftTiming] = deque(maxlen=4096)
 
@@ -61,10 +71,20 @@ class SSMActor(HoldsRequests):
             request_id, lambda: DraftState(self.drafter.new_state(), make_generator(seed, self.index + 1)))
         if state is None:
             return None
-        start = time.time()
-        proposal = self.drafter.draft(state.cache, committed, spec, state.generator)
+        with state.guard.lock:
+            if state.guard.dropped:
+                return None
+            start = time.time()
+            proposal = self.drafter.draft(state.cache, committed, spec, state.generator)
         self.timings.append(DraftTiming(request_id, start, time.time()))
         return proposal
+
+    def batch_counters(self):
+        return self.drafter.batcher.counters if self.paged else None
+
+    def pool_blocks(self) -> tuple[int, int, int] | None:
+        pool = self.drafter.pool if self.paged else None
+        return None if pool is None else (pool.num_free, pool.num_unreserved, pool.num_blocks)
 
     def draft_timings(self) -> list[DraftTiming]:
         return list(self.timings)

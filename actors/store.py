@@ -19,8 +19,9 @@ class RequestStore(Generic[State]):
     later get_or_create("r1", make) returns None.
     """
 
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic):
-        self.ttl_s, self.clock = ttl_s, clock
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic,
+                 on_drop: Callable[[State], None] | None = None):
+        self.ttl_s, self.clock, self.on_drop = ttl_s, clock, on_drop
         self._lock = threading.Lock()
         self._states: dict[str, tuple[State, float]] = {}
         self._released: dict[str, float] = {}
@@ -54,7 +55,10 @@ class RequestStore(Generic[State]):
         """Drop a request's state; True when there was some."""
         with self._lock:
             self._released[request_id] = self.clock()
-            return self._states.pop(request_id, None) is not None
+            entry = self._states.pop(request_id, None)
+        if entry is not None and self.on_drop is not None:
+            self.on_drop(entry[0])
+        return entry is not None
 
     def was_released(self, request_id: str) -> bool:
         with self._lock:
@@ -66,10 +70,11 @@ class RequestStore(Generic[State]):
         now = self.clock()
         with self._lock:
             expired = [rid for rid, (_, touched) in self._states.items() if now - touched > limit]
-            for rid in expired:
-                del self._states[rid]
-                self._released[rid] = now
+            dropped = [self._states.pop(rid)[0] for rid in expired]
+            self._released.update({rid: now for rid in expired})
             self._released = {rid: t for rid, t in self._released.items() if now - t <= self.ttl_s}
+        for state in dropped if self.on_drop is not None else ():
+            self.on_drop(state)
         return expired
 
     def __len__(self) -> int:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,18 +13,25 @@ from engine.draft import Proposal
 from engine.generate import first_token, verify_tree
 from engine.models import eos_token_ids
 from engine.sampling import SamplingParams, make_generator
+from engine.batched import PagedTarget, time_packed_forward
+from engine.budget import measure_curve
+from engine.paged import PagedSequence
 from engine.target import TargetState
 from engine.verify import Verdict
 
+from .paging import Guard, batching_parts, make_dropper
 from .common import HoldsRequests, StateLost, Vocabulary, setup_process, sweep_interval, vocabulary
 from .store import RequestStore, start_sweeper
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class VerifyState:
-    target: TargetState
+    target: TargetState | PagedSequence
     sampling: SamplingParams
     generator: torch.Generator
+    guard: Guard = field(default_factory=Guard)
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,8 @@ class TargetInfo:
     eos_ids: frozenset[int]
     max_context: int | None
     vocabulary: Vocabulary
+    kv_capacity_tokens: int | None = None  # the paged pool's size (None: no pool)
+    verify_cost_ms: dict[int, float] | None = None  # tokens per pass -> ms, measured at start
 
 
 class VerifierActor(HoldsRequests):
@@ -42,10 +52,26 @@ class VerifierActor(HoldsRequests):
                  namespace: str | None = None):
         setup_process(torch_threads)
         self.target, loaded = load_target(config, name_prefix, namespace)
+        self.paged = config.server.batching.enabled
+        release = make_dropper(lambda state: self.target.release(state.target)) if self.paged else None
+        self.store: RequestStore[VerifyState] = RequestStore(config.server.request_ttl_s, on_drop=release)
+        capacity = curve = None
+        if self.paged:
+            pool, batcher = batching_parts(config, loaded.model, lambda: len(self.store))
+            self.target = PagedTarget(loaded.model, pool, batcher)
+            capacity = pool.num_blocks * pool.block_size
+            curve = self._measure_curve(config) if config.server.tree_budget.enabled else None
         self.info = TargetInfo(config.target.name, loaded.tokenizer, eos_token_ids(loaded),
-                               getattr(loaded.model.config, "max_position_embeddings", None), vocabulary(loaded))
-        self.store: RequestStore[VerifyState] = RequestStore(config.server.request_ttl_s)
+                               getattr(loaded.model.config, "max_position_embeddings", None), vocabulary(loaded),
+                               capacity, curve)
         self._stop_sweeper = start_sweeper(self.store, sweep_interval(config.server.request_ttl_s))
+
+    def _measure_curve(self, config: EngineConfig) -> dict[int, float]:
+        budget = config.server.tree_budget
+        curve = measure_curve(lambda size: time_packed_forward(self.target.batcher.model, size),
+                              budget.max_total_tokens, budget.slack)
+        logger.info("verify-cost curve (tokens per pass -> ms): %s", {k: round(v, 1) for k, v in curve.items()})
+        return curve
 
     def ready(self) -> TargetInfo:
         return self.info
@@ -55,13 +81,32 @@ class VerifierActor(HoldsRequests):
         if hasattr(self.target, "shutdown"):
             self.target.shutdown()
 
-    def prefill(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
-        """Create the request's state, run the prompt, return the first token (None: released)."""
-        state = VerifyState(self.target.new_state(), sampling, make_generator(sampling.seed, 0))
+    def batch_counters(self):
+        return self.target.batcher.counters if self.paged else None
+
+    def pool_blocks(self) -> tuple[int, int, int] | None:
+        """(free, unreserved, total) blocks of the paged pool, or None without one."""
+        pool = self.target.pool if self.paged else None
+        return None if pool is None else (pool.num_free, pool.num_unreserved, pool.num_blocks)
+
+    def prefill(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                reserve_tokens: int = 0) -> int | None:
+        """Create the request's state, run the prompt, return the first token (None: released).
+
+        With a paged pool the request's worst case (``reserve_tokens``) is reserved first; if the
+        pool cannot promise it, PoolExhausted is raised and nothing is kept (admission).
+        """
+        target_state = self.target.new_state(reserve_tokens) if self.paged else self.target.new_state()
+        state = VerifyState(target_state, sampling, make_generator(sampling.seed, 0))
         if not self.store.put(request_id, state):
+            if self.paged:
+                self.target.release(target_state)
             return None
-        logits = self.target.prefill(state.target, prompt_ids)  # [V]
-        return first_token(logits, sampling, state.generator)
+        with state.guard.lock:
+            if state.guard.dropped:
+                return None
+            logits = self.target.prefill(state.target, prompt_ids)  # [V]
+            return first_token(logits, sampling, state.generator)
 
     def verify(self, request_id: str, proposal: Proposal) -> Verdict | None:
         """One target forward over the tree, verification and commit; None once released."""
@@ -70,4 +115,7 @@ class VerifierActor(HoldsRequests):
             if self.store.was_released(request_id):
                 return None
             raise StateLost(f"verifier has no state for request {request_id} (was the actor restarted?)")
-        return verify_tree(self.target, state.target, proposal, state.sampling, state.generator)
+        with state.guard.lock:
+            if state.guard.dropped:
+                return None
+            return verify_tree(self.target, state.target, proposal, state.sampling, state.generator)

@@ -86,12 +86,36 @@ class VerifierConfig(_Strict):
     actor: ActorOptions = ActorOptions()
 
 
+class BatchingConfig(_Strict):
+    """Continuous batching: every running request's tree in one target forward, one SSM forward
+    per tree level for all requests, KV caches in a pool of fixed-size blocks."""
+
+    enabled: bool = True
+    kv_cache_tokens: int = Field(default=16384, ge=64, description="target pool size in tokens")
+    block_size: int = Field(default=16, ge=1, le=4096)
+    window_ms: float = Field(default=3.0, ge=0.0, description="wait this long for other requests' calls")
+    admission_timeout_s: float = Field(default=30.0, ge=0.0, description="wait for KV blocks, then RESOURCE_EXHAUSTED")
+
+
+class TreeBudgetConfig(_Strict):
+    """Tree tokens per step by load: the verifier measures its verify-cost curve at start; the cap
+    on tree tokens per pass is the largest total whose pass costs at most (1 + slack) x a decode
+    step, and each of R running requests gets cap / R nodes (at least min_tree_nodes)."""
+
+    enabled: bool = True
+    slack: float = Field(default=1.0, ge=0.0)
+    min_tree_nodes: int = Field(default=2, ge=1)
+    max_total_tokens: int = Field(default=128, ge=1, le=4096)
+
+
 class ServerConfig(_Strict):
     max_concurrent_requests: int = Field(default=8, ge=1)
     max_new_tokens_limit: int = Field(default=2048, ge=1)
     request_ttl_s: float = Field(default=600.0, gt=0.0)
     ssm_actor: ActorOptions = ActorOptions()
     merge_actor: ActorOptions = ActorOptions(num_cpus=0.1, torch_threads=1)
+    batching: BatchingConfig = BatchingConfig()
+    tree_budget: TreeBudgetConfig = TreeBudgetConfig()
 
 
 class EngineConfig(_Strict):
@@ -114,6 +138,9 @@ class EngineConfig(_Strict):
         names = [m.name for m in self.ssms] + ([self.ngram.name] if self.ngram else [])
         if len(set(names)) != len(names):
             raise ValueError(f"SSM names must be unique, got {names}")
+        if self.server.batching.enabled and self.verifier.tensor_parallel_size > 1:
+            raise ValueError("server.batching.enabled needs verifier.tensor_parallel_size 1 (the tensor-parallel "
+                             "target runs one request per forward): set server.batching.enabled: false")
         return self
 
     def resolved_models_dir(self) -> Path:

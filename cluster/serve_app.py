@@ -29,9 +29,11 @@ from ray.exceptions import RayActorError
 from ray.serve.grpc_util import RayServegRPCContext
 
 from actors.group import ActorGroup, check_ready, launch
-from actors.session import RemoteSession
+from actors.session import Admission, RemoteSession
 from actors.verifier import StateLost
+from engine.budget import budget_from_curve
 from engine.generate import StepUpdate
+from engine.paged import PoolExhausted
 from protos import specinfer_pb2 as pb
 
 from .build import speculation_options
@@ -44,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 class Overloaded(RuntimeError):
     """More requests in flight than server.max_concurrent_requests."""
+
+
+BUSY = (Overloaded, PoolExhausted)  # RESOURCE_EXHAUSTED: too many requests, or no KV memory for one
 
 
 @contextmanager
@@ -60,8 +65,8 @@ def grpc_status(context: RayServegRPCContext | None):
     except InvalidArgument as error:
         _set_status(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         raise
-    except Overloaded as error:
-        _set_status(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+    except BUSY as error:
+        _set_status(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(getattr(error, "cause", None) or error))
         raise
     except (RayActorError, StateLost) as error:
         _set_status(context, grpc.StatusCode.UNAVAILABLE, f"a model actor failed: {error}")
@@ -85,7 +90,7 @@ def status_name(error: BaseException) -> str:
     """
     if isinstance(error, InvalidArgument):
         return "INVALID_ARGUMENT"
-    if isinstance(error, Overloaded):
+    if isinstance(error, BUSY):
         return "RESOURCE_EXHAUSTED"
     if isinstance(error, (RayActorError, StateLost)):
         return "UNAVAILABLE"
@@ -104,8 +109,14 @@ class SpecInferIngress:
         self.config, self.base_options = config, speculation_options(config)
         replica = serve.get_replica_context()
         self.group: ActorGroup = launch(config, f"{APP_NAME}/{replica.replica_tag}")
-        info = await check_ready(self.group)
+        self.info = info = await check_ready(self.group)
         self.tokenizer, self.eos_ids = info.tokenizer, info.eos_ids
+        budget = config.server.tree_budget
+        self.budget = (budget_from_curve(info.verify_cost_ms, budget.slack, budget.min_tree_nodes)
+                       if info.verify_cost_ms else None)
+        if self.budget is not None:
+            logger.info("tree budget: %d tree tokens per pass (verify-cost curve %s)", self.budget.cap,
+                        info.verify_cost_ms)
         self.limits = ModelLimits(self.group.names, self.group.neural, info.max_context)
         self.active = 0
         self.metrics = ServingMetrics()
@@ -126,7 +137,7 @@ class SpecInferIngress:
                     text.append(update.text)
                     token_ids.extend(update.token_ids)
                     last = update
-        except (InvalidArgument, Overloaded):
+        except (InvalidArgument, *BUSY):
             if grpc_context is None:
                 raise
             return pb.GenerateResponse()  # the status set on grpc_context is the answer
@@ -161,7 +172,8 @@ class SpecInferIngress:
         with observed(self.metrics, observation, status_name), grpc_status(context), self._admitted():
             parsed = parse_request(request, self.config, self.base_options, self.tokenizer, self.limits)
             observation.admitted(len(parsed.prompt_ids))
-            session = RemoteSession(self.group, parsed, self.tokenizer, self.eos_ids, uuid.uuid4().hex)
+            session = RemoteSession(self.group, parsed, self.tokenizer, self.eos_ids, uuid.uuid4().hex,
+                                    self._admission(parsed), self._tree_budget)
             logger.info("request %s: %d prompt tokens, max_new_tokens %d, mode %s", session.request_id,
                         len(parsed.prompt_ids), parsed.max_new_tokens, parsed.speculation.mode)
             try:
@@ -170,6 +182,21 @@ class SpecInferIngress:
                     yield update
             finally:
                 session.release()
+
+    def _admission(self, request) -> Admission:
+        """The request's worst-case KV need in the verifier's pool (prompt, output, one tree)."""
+        capacity = self.info.kv_capacity_tokens
+        if capacity is None:
+            return Admission()
+        need = len(request.prompt_ids) + request.max_new_tokens + request.speculation.max_tree_nodes + 1
+        if need > capacity:
+            raise PoolExhausted(f"the request needs {need} tokens of KV cache (prompt + max_new_tokens + tree) but "
+                                f"the pool holds {capacity} (server.batching.kv_cache_tokens)")
+        return Admission(need, self.config.server.batching.admission_timeout_s)
+
+    def _tree_budget(self) -> int | None:
+        """Nodes per request's tree this step: the verify-cost cap shared by the running requests."""
+        return None if self.budget is None else self.budget.per_request(self.active)
 
     @contextmanager
     def _admitted(self):

@@ -73,28 +73,38 @@ class BlockPool:
             self._reserved += blocks
             return True
 
-    def allocate(self, count: int, reserved: int) -> list[int]:
-        """``count`` blocks, ``reserved`` of them from the caller's reservation."""
+    def allocate(self, count: int, from_reserve: int) -> list[int]:
+        """``count`` blocks, ``from_reserve`` of them out of the caller's reservation."""
         with self._lock:
-            if count - reserved > len(self._free) - self._reserved:
+            if count - from_reserve > len(self._free) - self._reserved:
                 raise PoolExhausted(f"KV pool exhausted: {count} blocks wanted, {self.num_unreserved} unreserved")
-            self._reserved -= reserved
+            self._reserved -= from_reserve
             return [self._free.pop() for _ in range(count)]
 
-    def free(self, blocks: list[int], unreserve: int = 0) -> None:
+    def free(self, blocks: list[int], to_reserve: int = 0) -> None:
+        """Return ``blocks``; ``to_reserve`` (may be negative) moves the owner's reservation."""
         with self._lock:
             self._free.extend(reversed(blocks))
-            self._reserved -= unreserve
+            self._reserved += to_reserve
 
 
 class PagedSequence:
-    """One request's block table in a pool: ``length`` committed entries, then ``pending`` speculative."""
+    """One request's block table in a pool: ``length`` committed entries, then ``pending`` speculative.
+
+    ``quota``: blocks reserved at admission. Blocks the sequence holds count against it; the rest
+    stays reserved in the pool, so a block freed by a truncation is reserved for it again.
+    """
 
     def __init__(self, pool: BlockPool, reserve_tokens: int = 0):
         self.pool, self.blocks, self.length, self.pending = pool, [], 0, 0
-        self.reserved = pool.blocks_for(reserve_tokens)
-        if self.reserved and not pool.reserve(self.reserved):
+        self.quota = pool.blocks_for(reserve_tokens)
+        if self.quota and not pool.reserve(self.quota):
             raise PoolExhausted(f"KV pool cannot hold {reserve_tokens} more tokens")
+
+    @property
+    def reserved(self) -> int:
+        """Blocks still promised to this sequence and not yet taken."""
+        return max(0, self.quota - len(self.blocks))
 
     def slots(self, start: int, stop: int) -> torch.Tensor:  # -> [stop - start]
         """Pool slots of entries ``start..stop-1``. Example: blocks [7, 2], block size 4,
@@ -105,7 +115,9 @@ class PagedSequence:
 
     def append(self, count: int) -> torch.Tensor:  # -> [count] slots of the new speculative entries
         end = self.length + self.pending
-        self._grow(end + count)
+        missing = self.pool.blocks_for(end + count) - len(self.blocks)
+        if missing > 0:
+            self.blocks += self.pool.allocate(missing, min(missing, self.reserved))
         self.pending += count
         return self.slots(end, end + count)
 
@@ -131,22 +143,19 @@ class PagedSequence:
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` entries (all committed); free the blocks past them."""
         self.length, self.pending = min(self.length, length), 0
-        keep = self.pool.blocks_for(self.length)
-        if len(self.blocks) > keep:
-            self.pool.free(self.blocks[keep:])
-            self.blocks = self.blocks[:keep]
+        self._shrink_to(self.pool.blocks_for(self.length))
 
     def release(self) -> None:
         """Give every block and the unused reservation back (idempotent)."""
-        self.pool.free(self.blocks, unreserve=self.reserved)
-        self.blocks, self.reserved, self.length, self.pending = [], 0, 0, 0
+        self._shrink_to(0)
+        self.pool.free([], to_reserve=-self.reserved)
+        self.quota = self.length = self.pending = 0
 
-    def _grow(self, entries: int) -> None:
-        missing = self.pool.blocks_for(entries) - len(self.blocks)
-        if missing > 0:
-            from_reserve = min(missing, self.reserved)
-            self.blocks += self.pool.allocate(missing, from_reserve)
-            self.reserved -= from_reserve
+    def _shrink_to(self, keep: int) -> None:
+        if len(self.blocks) > keep:
+            before = self.reserved
+            freed, self.blocks = self.blocks[keep:], self.blocks[:keep]
+            self.pool.free(freed, to_reserve=self.reserved - before)
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,9 @@ def engine_args(paths: dict[str, Path], **server) -> dict:
         "defaults": {"max_new_tokens": 24},
         "verifier": {"actor": actor},
         "server": {"max_concurrent_requests": 2, "max_new_tokens_limit": 400, "request_ttl_s": 600.0,
-                   "ssm_actor": actor, "merge_actor": {**actor, "num_cpus": 0.1}, **server},
+                   "ssm_actor": actor, "merge_actor": {**actor, "num_cpus": 0.1},
+                   # 1024 tokens: two requests of a 110-token prompt and 400 new tokens do not fit at once
+                   "batching": {"kv_cache_tokens": 1024, "admission_timeout_s": 1.0}, **server},
     }
 
 

@@ -179,6 +179,19 @@ def test_block_table_slots_and_keep_move_only_the_path():
     assert pool.num_free == 8
 
 
+def test_blocks_freed_by_a_truncation_stay_reserved_for_their_sequence():
+    pool = BlockPool(num_layers=1, kv_heads=1, head_dim=1, num_blocks=4, block_size=4, dtype=torch.float32)
+    holder = PagedSequence(pool, reserve_tokens=16)  # the whole pool
+    holder.append(12)
+    holder.keep([0])  # 3 blocks in use, 2 freed by the commit
+    assert (pool.num_free, pool.num_unreserved) == (3, 0)
+    with pytest.raises(PoolExhausted):
+        PagedSequence(pool, reserve_tokens=4)  # nobody may take the holder's freed blocks
+    holder.append(15)  # and the holder can still grow to its full reservation
+    holder.release()
+    assert (pool.num_free, pool.num_unreserved) == (4, 4)
+
+
 def test_reservation_admits_by_memory():
     pool = BlockPool(num_layers=1, kv_heads=1, head_dim=1, num_blocks=4, block_size=4, dtype=torch.float32)
     first = PagedSequence(pool, reserve_tokens=10)  # 3 blocks promised
@@ -203,8 +216,13 @@ def test_pool_accounting_property(operations):
     sequences = [PagedSequence(pool, reserve_tokens=6) for _ in range(4)]
     for operation, index, count in operations:
         sequence = sequences[index]
-        if operation == "append" and pool.num_unreserved + sequence.reserved >= pool.blocks_for(count) + 1:
-            sequence.append(count)
+        if operation == "append":
+            needed = pool.blocks_for(sequence.length + sequence.pending + count) - len(sequence.blocks)
+            if needed <= sequence.reserved + pool.num_unreserved:
+                sequence.append(count)
+            else:
+                with pytest.raises(PoolExhausted):
+                    sequence.append(count)
         elif operation == "keep" and sequence.pending:
             sequence.keep(list(range(min(count, sequence.pending))))
         elif operation == "truncate":
@@ -213,6 +231,7 @@ def test_pool_accounting_property(operations):
             sequence.release()
         owned = [block for s in sequences for block in s.blocks]
         assert len(owned) == len(set(owned)) and len(owned) + pool.num_free == pool.num_blocks
+        assert pool.num_free - pool.num_unreserved == sum(s.reserved for s in sequences)  # promises kept
         assert all(len(s.blocks) == pool.blocks_for(s.length + s.pending) for s in sequences)
     for sequence in sequences:
         sequence.release()

@@ -386,3 +386,98 @@ def test_cli_client_json_and_errors(serving, local_engine, tiny_args, capsys):
         assert result["finish_reason"] == "length" and result["stats"]["new_tokens"] == 12
     assert main(["client", "--address", serving, "--prompt", "hi", "--max-new-tokens", "0"]) == 1
     assert "INVALID_ARGUMENT: max_new_tokens" in capsys.readouterr().err
+
+
+# --- continuous batching, paged KV pool, admission by memory -------------------------------
+
+
+def pools_settled(ingress) -> bool:  # noqa: F811
+    """Every paged pool (verifier and SSMs) has all its blocks free and unreserved again."""
+    import ray
+
+    actors = ingress.actors.remote().result()
+    blocks = [b for b in ray.get([a.pool_blocks.remote() for n, a in actors.items() if n != "merge"]) if b]
+    return bool(blocks) and all(free == unreserved == total for free, unreserved, total in blocks)
+
+
+MIXED = [  # (prompt, max_new_tokens, delay before sending, cancel after this many chunks); two lanes
+    (PROMPTS[0], 48, 0.0, None),  # lane 0
+    (PROMPTS[1] * 3, 30, 0.0, None),  # lane 1
+    ("short", 61, 0.0, None),  # lane 0, joins when its lane's first request leaves
+    ("x = [i * i for i in range(10)]", 400, 0.05, 3),  # lane 1, cancelled mid-run
+]  # two lanes: server.max_concurrent_requests is 2 in the tiny config
+
+
+@pytest.mark.ray
+def test_batched_requests_equal_each_alone_and_return_their_blocks(serving, ingress, local_engine, tiny_args):
+    import ray
+
+    verifier = ingress.actors.remote().result()["verifier"]
+    before = ray.get(verifier.batch_counters.remote())
+    expected = [local_result(local_engine, tiny_args, p, max_new_tokens=n)[1].token_ids for p, n, _, _ in MIXED]
+    outputs: dict[int, list[int]] = {}
+
+    def ask(index: int) -> None:
+        prompt, max_new_tokens, delay, cancel_after = MIXED[index]
+        time.sleep(delay)
+        with Client(serving) as client:
+            call = client.stream(build_request(prompt, max_new_tokens=max_new_tokens), timeout=120)
+            tokens = []
+            for number, chunk in enumerate(call, start=1):
+                tokens.extend(chunk.token_ids)
+                if number == cancel_after:
+                    call.cancel()
+                    break
+            outputs[index] = tokens
+
+    def lane(indices: list[int]) -> None:
+        for index in indices:
+            ask(index)
+            wait_until(lambda: ingress.num_active.remote().result() < 2, timeout_s=30)
+
+    threads = [threading.Thread(target=lane, args=(list(range(start, len(MIXED), 2)),)) for start in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for index, (_, max_new_tokens, _, cancel_after) in enumerate(MIXED):
+        got = outputs[index]
+        assert got == list(expected[index])[:len(got)] and (cancel_after or len(got) == max_new_tokens)
+    after = ray.get(verifier.batch_counters.remote())
+    assert after.forwards > before.forwards and after.largest >= 2, after  # trees shared target forwards
+    assert wait_until(lambda: nothing_held(ingress) and pools_settled(ingress), timeout_s=60), held_requests(ingress)
+
+
+ADMISSION_PROMPT = "p" * 110  # 110 + 400 new + 33 tree tokens: two do not fit in the 1024-token pool
+
+
+@pytest.mark.ray
+def test_request_without_kv_memory_waits_then_is_resource_exhausted(serving, ingress):  # noqa: F811
+    with Client(serving) as client:
+        holder, _ = open_stream(client, ADMISSION_PROMPT)
+        try:
+            began = time.monotonic()
+            with pytest.raises(grpc.RpcError) as caught:
+                client.generate(build_request(ADMISSION_PROMPT, max_new_tokens=LONG), timeout=30)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "KV memory" in caught.value.details() and "admission_timeout_s" in caught.value.details()
+            assert 0.9 <= time.monotonic() - began < 10  # it waited admission_timeout_s (1 s) first
+        finally:
+            holder.cancel()
+    assert wait_until(lambda: nothing_held(ingress) and pools_settled(ingress), timeout_s=60), held_requests(ingress)
+
+
+@pytest.mark.ray
+def test_waiting_request_is_admitted_when_memory_returns(serving, ingress, local_engine, tiny_args):
+    """The first request ends at a stop string early in its output; the second, which could not
+    get its blocks while the first ran, is admitted when they come back."""
+    first_text = local_result(local_engine, tiny_args, ADMISSION_PROMPT, max_new_tokens=LONG)[1].text
+    stop = first_text[6:9]
+    _, expected = local_result(local_engine, tiny_args, "q" * 110, max_new_tokens=LONG)
+    with Client(serving) as client:
+        holder = client.stream(build_request(ADMISSION_PROMPT, max_new_tokens=LONG, stop=[stop]), timeout=60)
+        next(holder)
+        second = client.generate(build_request("q" * 110, max_new_tokens=LONG), timeout=60)
+        assert list(second.token_ids) == list(expected.token_ids)
+        assert [chunk.finish_reason for chunk in holder][-1] == pb.FINISH_REASON_STOP
+    assert wait_until(lambda: nothing_held(ingress) and pools_settled(ingress), timeout_s=60), held_requests(ingress)

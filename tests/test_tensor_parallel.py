@@ -27,7 +27,8 @@ TP_VERIFIER = {"tensor_parallel_size": 2, "collective_timeout_s": 20.0, "actor":
 
 
 def tp_args(args: dict) -> dict:
-    return {**args, "verifier": TP_VERIFIER}
+    server = {**args.get("server", {}), "batching": {"enabled": False}}
+    return {**args, "verifier": TP_VERIFIER, "server": server}
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,7 @@ def test_two_gpu_ranks_over_nccl_match_single_process(engines, tiny_args):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     gpu = {**TP_VERIFIER, "actor": {"num_cpus": 0.25, "num_gpus": 1, "torch_threads": 1}}
-    engine = build_engine(EngineConfig.model_validate({**tiny_args, "device": "cuda", "verifier": gpu}))
+    engine = build_engine(EngineConfig.model_validate({**tp_args(tiny_args), "device": "cuda", "verifier": gpu}))
     try:
         request = GenerationRequest(tuple(range(40, 60)), 40, speculation=SpeculationOptions(expansion=(2, 2, 1)))
         assert engine.generate(request).token_ids == engines[0].generate(request).token_ids

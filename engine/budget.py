@@ -1,0 +1,46 @@
+"""Tree size by load, from a measured verify-cost curve (ms of one pass vs tokens in it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    """``cap``: tree tokens per verify pass over the whole batch; each request gets an equal share."""
+
+    cap: int
+    min_tree_nodes: int = 2
+
+    def per_request(self, running: int) -> int:
+        """Nodes (root included) one request's tree may have when ``running`` requests share a pass.
+
+        Example: cap 32, min 2 -> 1 running: 32, 4 running: 8, 32 running: 2.
+        """
+        return max(self.min_tree_nodes, self.cap // max(1, running))
+
+
+def budget_from_curve(curve: dict[int, float], slack: float, min_tree_nodes: int = 2) -> TreeBudget:
+    """The largest measured pass size costing at most (1 + slack) x a one-token pass.
+
+    While a pass costs about as much as a decode step the target is memory-bound and extra tree
+    tokens are nearly free; past that they cost compute that the batch's other requests need.
+    Example: {1: 185, 4: 190, 8: 222, 16: 280, 32: 410}, slack 0.6 (limit 296) -> cap 16.
+    """
+    if 1 not in curve:
+        raise ValueError("the verify-cost curve needs the one-token pass (size 1)")
+    limit = (1.0 + slack) * curve[1]
+    cap = max(size for size, ms in curve.items() if ms <= limit)
+    return TreeBudget(cap, min_tree_nodes)
+
+
+def measure_curve(time_pass: Callable[[int], float], max_tokens: int, slack: float) -> dict[int, float]:
+    """ms per pass at 1, 2, 4, ... tokens, stopping after the first size past the slack limit."""
+    curve, size = {}, 1
+    while size <= max_tokens:
+        curve[size] = time_pass(size)
+        if curve[size] > (1.0 + slack) * curve[1]:
+            break
+        size *= 2
+    return curve
