@@ -382,6 +382,7 @@ class BenchSettings:
     concurrency: tuple[int, ...] = ()  # load-test levels (client streams kept busy); needs via
     requests: int | None = None  # requests per load level; None: max(prompts, largest level)
     label: str | None = None  # stored with the results, e.g. the server-side setting under test
+    load_only: bool = False  # skip the per-prompt comparison (needs concurrency)
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 1 or self.warmup_tokens < 0:
@@ -465,7 +466,7 @@ def run_bench(settings: BenchSettings, config: EngineConfig | None = None, runne
     settings.out.mkdir(parents=True, exist_ok=True)
     check_run_identity(settings.out / "run.json", run_identity(settings, config))
     store = RowStore(settings.out / "rows.jsonl")
-    pending = pending_pairs(methods, workload, store)
+    pending = [] if settings.load_only else pending_pairs(methods, workload, store)
     created = bool(pending) and runner is None
     if created:
         runner = GrpcRunner(settings.via) if settings.via else LocalRunner(config)

@@ -43,6 +43,8 @@ def add_parsers(subparsers) -> None:
     load.add_argument("--concurrency", type=concurrency_levels, default=(), metavar="C1,C2,...",
                       help="after the per-prompt comparison, keep C client streams busy per level and method "
                            "(e.g. 1,2,4,8); adds a load table, load.png and results.json 'load'")
+    load.add_argument("--load-only", action="store_true",
+                      help="skip the per-prompt comparison: run only the concurrency levels")
     load.add_argument("--requests", type=int, default=None,
                       help="requests per concurrency level (prompts cycled; default: max(prompts, largest C))")
     bench.set_defaults(handler=run_bench_command, bench_parser=bench)
@@ -77,6 +79,8 @@ def check_load_arguments(args: argparse.Namespace) -> None:
     if args.concurrency and not args.via:
         parser.error("--concurrency needs --via grpc HOST:PORT: load tests run against a running server "
                      "(e.g. --via grpc 127.0.0.1:9000 --concurrency 1,2,4,8)")
+    if args.load_only and not args.concurrency:
+        parser.error("--load-only runs only the --concurrency levels: give --concurrency too")
     if args.requests is not None and not args.concurrency:
         parser.error("--requests sets the requests per --concurrency level: give --concurrency too")
     if args.requests is not None and args.requests < 1:
@@ -95,7 +99,8 @@ def bench_settings(args: argparse.Namespace):
                          num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                          sampling=sampling, via=args.via[1] if args.via else None,
                          max_prompt_tokens=args.max_prompt_tokens, warmup_tokens=args.warmup_tokens,
-                         concurrency=args.concurrency, requests=args.requests, label=args.label)
+                         concurrency=args.concurrency, requests=args.requests, label=args.label,
+                         load_only=args.load_only)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:

@@ -376,6 +376,18 @@ def test_bench_load_levels_via_grpc(grpc_server, bench_config, prompts_file, tmp
     assert len((out / "load.jsonl").read_text().splitlines()) == 4
 
 
+def test_bench_load_only_skips_the_per_prompt_comparison(grpc_server, bench_config, prompts_file, tmp_path):
+    address, _, _ = grpc_server
+    out = tmp_path / "load-only"
+    assert bench_cli(bench_config, prompts_file, out, "--methods", "tree", "--via", "grpc", address,
+                     "--concurrency", "2", "--load-only") == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["per_prompt"] == [] and not (out / "rows.jsonl").exists()
+    levels = results["load"]["levels"]
+    assert {level["concurrency"] for level in levels} == {2} and "tree" in {level["method"] for level in levels}
+    assert all(level["total_tokens"] == 3 * 12 and level["errors"] == 0 for level in levels)
+
+
 def test_bench_concurrency_needs_via(bench_config, prompts_file, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_cli(bench_config, prompts_file, tmp_path / "x", "--concurrency", "1,2")

@@ -15,7 +15,7 @@ import torch
 
 from engine.generate import GenerationRequest, SpeculationOptions
 from engine.tree import TokenTree
-from tests.serving_fixtures import (  # noqa: F401  (fixtures)
+from serving_fixtures import (  # noqa: F401  (fixtures)
     _SESSION, engine_args, ray_session, serving, tiny_args, tiny_models)
 from tests.tiny_models import reference_greedy
 
