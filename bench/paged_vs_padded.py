@@ -4,8 +4,9 @@
 
 For the config's target: (1) the verify-cost curve of one packed forward (ms vs tree tokens in
 the pass, on a 256-token prefix): the curve the serving tree budget is derived from; (2) one
-verify step of B requests (a 4-node tree each, mixed prefixes) as B DynamicCache forwards vs
-one packed forward over the pool; (3) the KV memory each layout holds for those requests.
+verify step of B requests (a 4-node tree each, mixed prefixes 96-288) three ways: B separate
+DynamicCache forwards, one batched forward over a padded [B, max prefix] DynamicCache, and one
+packed forward over the paged pool; (3) the KV memory each layout holds for those requests.
 """
 
 from __future__ import annotations
@@ -60,6 +61,33 @@ def padded_step(target: TargetModel, prefixes: list[int], repeats: int) -> tuple
     return ms, held
 
 
+def padded_batch_step(model, prefixes: list[int], repeats: int) -> tuple[float, int]:
+    """The padded alternative: one batched forward over a [B, H, max prefix, D] DynamicCache
+    (shorter prefixes padded to the longest, padding masked); returns (ms, KV bytes held)."""
+    from transformers import DynamicCache
+
+    batch, longest = len(prefixes), max(prefixes)
+    cache = DynamicCache(config=model.config)
+    ids = torch.full((batch, longest), 100, dtype=torch.long)
+    with torch.inference_mode():
+        model(input_ids=ids, **kv.cache_argument(model, cache), use_cache=True, logits_to_keep=1)
+    bias = torch.zeros(batch, 1, TREE.size, longest + TREE.size, dtype=model.dtype)
+    for row, prefix in enumerate(prefixes):
+        bias[row, :, :, prefix:longest] = torch.finfo(model.dtype).min  # the padding
+        bias[row, 0, :, longest:].masked_fill_(~ancestor_mask(TREE.parents), torch.finfo(model.dtype).min)
+    position_ids = torch.stack([positions(TREE.parents, p) for p in prefixes])
+
+    @torch.inference_mode()
+    def step() -> None:
+        model(input_ids=TREE.tokens.repeat(batch, 1), attention_mask=bias, position_ids=position_ids,
+              **kv.cache_argument(model, cache), use_cache=True)
+        kv.crop(cache, longest)
+
+    ms = median_ms(step, repeats)
+    held = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
+    return ms, held
+
+
 def paged_step(paged: PagedModel, prefixes: list[int], repeats: int) -> tuple[float, int]:
     """One packed forward over B requests; returns (ms, KV bytes of the blocks they hold)."""
     sequences = []
@@ -102,10 +130,12 @@ def main() -> None:
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prefixes = [96 + 64 * (i % 4) for i in range(batch)]  # mixed prompt lengths
-        padded_ms, padded_bytes = padded_step(target, prefixes, args.repeats)
+        separate_ms, separate_bytes = padded_step(target, prefixes, args.repeats)
+        padded_ms, padded_bytes = padded_batch_step(model, prefixes, args.repeats)
         paged_ms, paged_bytes = paged_step(paged, prefixes, args.repeats)
-        rows.append({"requests": batch, "padded_ms": padded_ms, "paged_ms": paged_ms,
-                     "padded_kv_mib": padded_bytes / 2**20, "paged_kv_mib": paged_bytes / 2**20})
+        rows.append({"requests": batch, "prefixes": prefixes, "separate_ms": separate_ms, "padded_batch_ms": padded_ms,
+                     "paged_ms": paged_ms, "separate_kv_mib": separate_bytes / 2**20,
+                     "padded_batch_kv_mib": padded_bytes / 2**20, "paged_kv_mib": paged_bytes / 2**20})
         print(rows[-1], flush=True)
     budget = budget_from_curve(curve, args.slack)
     result = {"config": args.config, "dtype": config.dtype, "threads": torch.get_num_threads(), "tree": "4 nodes",

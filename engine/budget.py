@@ -36,7 +36,10 @@ def budget_from_curve(curve: dict[int, float], slack: float, min_tree_nodes: int
 
 
 def measure_curve(time_pass: Callable[[int], float], max_tokens: int, slack: float) -> dict[int, float]:
-    """ms per pass at 1, 2, 4, ... tokens, stopping after the first size past the slack limit."""
+    """ms per pass at 1, 2, 4, ... tokens, stopping after the first size past the slack limit.
+
+    A first, discarded pass warms the kernels up (the first pass of a shape is slower)."""
+    time_pass(1)
     curve, size = {}, 1
     while size <= max_tokens:
         curve[size] = time_pass(size)
