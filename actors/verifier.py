@@ -44,7 +44,6 @@ class TargetInfo:
     max_context: int | None
     vocabulary: Vocabulary
     kv_capacity_tokens: int | None = None  # the paged pool's size (None: no pool)
-    verify_cost_ms: dict[int, float] | None = None  # tokens per pass -> ms, measured at start
 
 
 class VerifierActor(HoldsRequests):
@@ -55,19 +54,25 @@ class VerifierActor(HoldsRequests):
         self.paged = config.server.batching.enabled
         release = make_dropper(lambda state: self.target.release(state.target)) if self.paged else None
         self.store: RequestStore[VerifyState] = RequestStore(config.server.request_ttl_s, on_drop=release)
-        capacity = curve = None
+        capacity = None
         if self.paged:
             pool, batcher = batching_parts(config, loaded.model, lambda: len(self.store))
             self.target = PagedTarget(loaded.model, pool, batcher)
             capacity = pool.num_blocks * pool.block_size
-            curve = self._measure_curve(config) if config.server.tree_budget.enabled else None
+        self.config = config
         self.info = TargetInfo(config.target.name, loaded.tokenizer, eos_token_ids(loaded),
                                getattr(loaded.model.config, "max_position_embeddings", None), vocabulary(loaded),
-                               capacity, curve)
+                               capacity)
         self._stop_sweeper = start_sweeper(self.store, sweep_interval(config.server.request_ttl_s))
 
-    def _measure_curve(self, config: EngineConfig) -> dict[int, float]:
-        budget = config.server.tree_budget
+    def measure_verify_cost(self) -> dict[int, float] | None:
+        """ms of one packed forward vs tokens in it (None without batching or tree budget).
+
+        Called by the ingress once every actor has loaded, so that loading does not skew it.
+        """
+        budget = self.config.server.tree_budget
+        if not (self.paged and budget.enabled):
+            return None
         curve = measure_curve(lambda size: time_packed_forward(self.target.batcher.model, size),
                               budget.max_total_tokens, budget.slack)
         logger.info("verify-cost curve (tokens per pass -> ms): %s", {k: round(v, 1) for k, v in curve.items()})

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from .cli_generate import add_sampling_arguments
-from .config import APP_NAME, read_yaml
+from .config import APP_NAME, engine_section, read_yaml
 
 DEFAULT_SERVE_CONFIG = "configs/serve.yaml"
 logger = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ def add_server_arguments(parser) -> None:
                         help="join this Ray cluster instead of starting a local one on 127.0.0.1")
     parser.add_argument("--num-cpus", type=float, default=None, help="logical CPUs of the local Ray node")
     parser.add_argument("--object-store-mb", type=int, default=None, help="cap the local object store")
+    parser.add_argument("--no-batching", action="store_true",
+                        help="serve each request with its own forwards (server.batching.enabled: false)")
 
 
 def add_request_arguments(parser) -> None:
@@ -66,13 +68,17 @@ def add_request_arguments(parser) -> None:
 # --- server -------------------------------------------------------------------------------
 
 
-def load_serve_config(path: str | Path, grpc_port: int | None = None) -> dict:
-    """A Serve config file as a dict (validated like `serve run` does), with an optional port."""
+def load_serve_config(path: str | Path, grpc_port: int | None = None, no_batching: bool = False) -> dict:
+    """A Serve config file as a dict (validated like `serve run` does), with an optional port and
+    continuous batching switched off on request."""
     from ray.serve.schema import ServeDeploySchema
 
     data = read_yaml(path)
     if grpc_port is not None:
         data.setdefault("grpc_options", {})["port"] = grpc_port
+    if no_batching:
+        args = engine_section(data, path)
+        args.setdefault("server", {}).setdefault("batching", {})["enabled"] = False
     ServeDeploySchema.model_validate(data)
     return data
 
@@ -142,7 +148,7 @@ def stop_serving() -> None:
 
 
 def run_serve(args) -> int:
-    serve_config = load_serve_config(args.config, args.grpc_port)
+    serve_config = load_serve_config(args.config, args.grpc_port, args.no_batching)
     apps = [a.get("name") for a in serve_config.get("applications", [])]
     if APP_NAME not in apps:
         raise ValueError(f"{args.config}: no application named {APP_NAME!r} (found {apps})")
@@ -239,7 +245,7 @@ def server_command(args) -> list[str]:
                         ("--num-cpus", args.num_cpus), ("--object-store-mb", args.object_store_mb)):
         if value is not None:
             command += [flag, str(value)]
-    return command
+    return command + (["--no-batching"] if args.no_batching else [])
 
 
 def run_demo(args) -> int:

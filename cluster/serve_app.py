@@ -111,12 +111,10 @@ class SpecInferIngress:
         self.group: ActorGroup = launch(config, f"{APP_NAME}/{replica.replica_tag}")
         self.info = info = await check_ready(self.group)
         self.tokenizer, self.eos_ids = info.tokenizer, info.eos_ids
-        budget = config.server.tree_budget
-        self.budget = (budget_from_curve(info.verify_cost_ms, budget.slack, budget.min_tree_nodes)
-                       if info.verify_cost_ms else None)
+        budget, curve = config.server.tree_budget, await self.group.verifier.measure_verify_cost.remote()
+        self.budget = budget_from_curve(curve, budget.slack, budget.min_tree_nodes) if curve else None
         if self.budget is not None:
-            logger.info("tree budget: %d tree tokens per pass (verify-cost curve %s)", self.budget.cap,
-                        info.verify_cost_ms)
+            logger.info("tree budget: %d tree tokens per pass (verify-cost curve %s)", self.budget.cap, curve)
         self.limits = ModelLimits(self.group.names, self.group.neural, info.max_context)
         self.active = 0
         self.metrics = ServingMetrics()

@@ -246,3 +246,34 @@ def test_plain_model_path_still_works_after_paging(models):
     prompt = tuple(range(30, 45))
     assert list(engine.generate(GenerationRequest(prompt, 16, speculation=TREE)).token_ids) == reference_greedy(
         target, list(prompt), 16)
+
+
+BUDGETS = [  # (curve, slack, min nodes, running -> expected per-request nodes)
+    ({1: 185, 4: 190, 8: 222, 16: 280, 32: 410}, 0.6, 2, {1: 16, 2: 8, 4: 4, 8: 2, 16: 2}),
+    ({1: 100, 2: 100, 4: 300}, 1.0, 1, {1: 2, 2: 1, 3: 1}),
+    ({1: 10, 64: 15, 128: 19}, 1.0, 3, {1: 128, 8: 16, 64: 3}),
+]
+
+
+@pytest.mark.parametrize("curve,slack,minimum,expected", BUDGETS)
+def test_tree_budget_from_the_verify_cost_curve(curve, slack, minimum, expected):
+    from engine.budget import budget_from_curve
+
+    budget = budget_from_curve(curve, slack, minimum)
+    assert {running: budget.per_request(running) for running in expected} == expected
+
+
+def test_measure_curve_stops_past_the_limit_and_keeps_the_faster_reference():
+    from engine.budget import measure_curve
+
+    costs = iter([999.0, 100.0, 100.0, 110.0, 150.0, 250.0, 90.0])  # warm-up, 1, 2, 4, 8, 16 (> 2x: stop), 1
+    curve = measure_curve(lambda size: next(costs), max_tokens=64, slack=1.0)
+    assert curve == {1: 90.0, 2: 100.0, 4: 110.0, 8: 150.0, 16: 250.0}
+
+
+def test_tree_budget_trims_the_schedule_not_the_drawn_tree():
+    """A budget of 4 nodes keeps the first levels of the expansion (decided before drafting)."""
+    from engine.generate import plan_proposers
+
+    plan = plan_proposers(("ssm",), (True,), SpeculationOptions(expansion=(2, 2, 1), max_tree_nodes=4))
+    assert plan[0][1].schedule == (2,)  # 1 + 2 nodes; a second level would make 7
