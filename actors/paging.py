@@ -42,4 +42,4 @@ def batching_parts(config: EngineConfig, model, expected: Callable[[], int],
     """The pool (``kv_cache_tokens`` x ``scale`` token slots) and batcher for one model."""
     batching = config.server.batching
     return paged_parts(model, int(batching.kv_cache_tokens * scale), batching.block_size,
-                       batching.window_ms / 1e3, expected)
+                       batching.window_ms / 1e3, expected, batching.window_fraction)

@@ -23,5 +23,5 @@ serve_and_bench() {  # $1: label, $2: methods, $3...: extra `specinfer serve` fl
   trap - EXIT
 }
 
-serve_and_bench batching tree,incremental
-serve_and_bench no-batching tree --no-batching
+[ "${LOAD_SKIP_BATCHING:-0}" = 1 ] || serve_and_bench batching tree,incremental
+[ "${LOAD_SKIP_NO_BATCHING:-0}" = 1 ] || serve_and_bench no-batching tree --no-batching

@@ -94,6 +94,8 @@ class BatchingConfig(_Strict):
     kv_cache_tokens: int = Field(default=16384, ge=64, description="target pool size in tokens")
     block_size: int = Field(default=16, ge=1, le=4096)
     window_ms: float = Field(default=3.0, ge=0.0, description="wait this long for other requests' calls")
+    window_fraction: float = Field(default=0.5, ge=0.0, le=1.0,
+                                   description="or this fraction of the last forward's time, if longer")
     admission_timeout_s: float = Field(default=30.0, ge=0.0, description="wait for KV blocks, then RESOURCE_EXHAUSTED")
 
 

@@ -7,7 +7,10 @@ A speculative step is four calls: draft -> merge -> verify -> commit.
 
 Glossary of dimension letters used in tensor shape comments (``# [N, V]``):
 
-    B  batch (always 1 inside the engine: one request per cache)
+    B  batch dimension of a model input (1: several requests are packed along T instead)
+    T  tokens of one packed forward: the new tokens of every request in the batch
+    C  KV slots one request's tokens attend to (its committed prefix + its speculative nodes)
+    R  rows of a packed forward whose logits are kept
     N  nodes of a token tree, root included (node 0 is the root: the last committed token,
        not yet in the target's KV cache)
     M  draws: one entry per proposed child (several draws can name the same node)
@@ -21,4 +24,5 @@ Glossary of dimension letters used in tensor shape comments (``# [N, V]``):
     D  head dimension
 """
 
-__all__ = ["tree", "models", "kv", "draft", "merge", "verify", "sampling", "generate"]
+__all__ = ["tree", "models", "kv", "draft", "merge", "verify", "sampling", "generate", "paged", "batching", "batched",
+           "budget"]

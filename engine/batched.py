@@ -82,11 +82,11 @@ class PagedDrafter(ModelDrafter):
         state.truncate(length)
 
 
-def paged_parts(model, tokens: int, block_size: int = 16, window_s: float = 0.0,
-                expected=None) -> tuple[BlockPool, ForwardBatcher]:
+def paged_parts(model, tokens: int, block_size: int = 16, window_s: float = 0.0, expected=None,
+                window_fraction: float = 0.0) -> tuple[BlockPool, ForwardBatcher]:
     """A pool of ``tokens`` slots for ``model`` and a batcher over it."""
     pool = BlockPool.for_model(model, tokens, block_size)
-    return pool, ForwardBatcher(PagedModel(model, pool), window_s, expected)
+    return pool, ForwardBatcher(PagedModel(model, pool), window_s, expected, window_fraction=window_fraction)
 
 
 def time_packed_forward(model: PagedModel, total_tokens: int, prefix: int = 256, repeats: int = 3) -> float:

@@ -41,14 +41,15 @@ class BatchCounters:
 
 class ForwardBatcher:
     """``expected()``: how many requests may submit soon (e.g. the running ones); while fewer are
-    queued, a batch waits up to ``window_s`` for them (calls from different requests arrive a
-    few milliseconds apart)."""
+    queued, a batch waits for them up to ``window_s`` or ``window_fraction`` of the last forward's
+    time, whichever is longer (calls of one step arrive milliseconds apart: each request's result
+    is streamed to its client before its next call)."""
 
     def __init__(self, model: PagedModel, window_s: float = 0.0, expected: Callable[[], int] | None = None,
-                 on_batch: Callable[[int, int], None] | None = None):
+                 on_batch: Callable[[int, int], None] | None = None, window_fraction: float = 0.0):
         self.model, self.on_batch = model, on_batch
-        self.window_s, self.expected = window_s, expected
-        self._opened = 0.0
+        self.window_s, self.window_fraction, self.expected = window_s, window_fraction, expected
+        self._opened, self._last_forward_s = 0.0, 0.0
         self.counters = BatchCounters()
         self._cond = threading.Condition()
         self._queue: list[_Ticket] = []
@@ -87,7 +88,7 @@ class ForwardBatcher:
                 with self._cond:
                     if ticket.done:
                         break
-                    self._cond.wait(timeout=max(0.001, min(0.05, self.window_s)))
+                    self._cond.wait(timeout=max(0.001, min(0.05, self._window())))
                     if ticket.done:
                         break
         if ticket.error is not None:
@@ -100,6 +101,7 @@ class ForwardBatcher:
             if self._running or not self._queue or len(self._queue) < self._active or self._waiting_for_more():
                 return
             batch, self._queue, self._running = self._queue, [], True
+        began = time.monotonic()
         try:
             results = self.model.forward([ticket.item for ticket in batch])
             for ticket, result in zip(batch, results):
@@ -108,6 +110,7 @@ class ForwardBatcher:
             for ticket in batch:
                 ticket.error = error
         finally:
+            self._last_forward_s = time.monotonic() - began
             self._count(batch)
             with self._cond:
                 for ticket in batch:
@@ -116,9 +119,12 @@ class ForwardBatcher:
                 self._cond.notify_all()
 
     def _waiting_for_more(self) -> bool:
-        if self.expected is None or self.window_s <= 0:
+        if self.expected is None or self._window() <= 0:
             return False
-        return len(self._queue) < self.expected() and time.monotonic() - self._opened < self.window_s
+        return len(self._queue) < self.expected() and time.monotonic() - self._opened < self._window()
+
+    def _window(self) -> float:
+        return max(self.window_s, self.window_fraction * self._last_forward_s)
 
     def _count(self, batch: list[_Ticket]) -> None:
         tokens = sum(len(ticket.item.tokens) for ticket in batch)

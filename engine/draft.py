@@ -44,6 +44,7 @@ class DraftSpec:
     children: str = "top_k"
     sampling: SamplingParams = SamplingParams()
     min_confidence: float = 0.0  # expand a node only if the SSM's path probability reaches this
+    max_nodes: int | None = None  # a tree budget for proposers without a schedule (n-gram); root included
 
     def __post_init__(self) -> None:
         if self.children not in CHILDREN_RULES:
@@ -219,10 +220,14 @@ class NgramDrafter:
         return None
 
     def draft(self, state: None, committed: list[int], spec: DraftSpec, generator: torch.Generator) -> Proposal:
+        """Continuations as chains under the root, at most ``spec.max_nodes`` nodes in all."""
         builder = _Builder(root=committed[-1], proposer=self.proposer)
+        limit = spec.max_nodes if spec is not None and spec.max_nodes else None
         for continuation in self.continuations(committed):
             parent = 0
             for token in continuation:
+                if limit is not None and len(builder.tokens) >= limit and (parent, token) not in builder.index:
+                    return builder.build()
                 parent = builder.add(parent, token, None)
         return builder.build()
 

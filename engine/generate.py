@@ -170,7 +170,8 @@ def plan_proposers(names: Sequence[str], neural: Sequence[bool],
             raise ValueError("sequence mode needs a neural SSM")
         return [(models[0], DraftSpec((1,) * options.sequence_depth, "sampled"))]
     schedule = fit_schedule(options.expansion, options.max_tree_nodes)
-    return [(i, DraftSpec(schedule, options.children, min_confidence=options.min_confidence)) for i in chosen]
+    return [(i, DraftSpec(schedule, options.children, min_confidence=options.min_confidence,
+                          max_nodes=options.max_tree_nodes)) for i in chosen]
 
 
 def step_tokens(proposal: Proposal, verdict: Verdict) -> list[int]:

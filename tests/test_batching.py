@@ -277,3 +277,19 @@ def test_tree_budget_trims_the_schedule_not_the_drawn_tree():
 
     plan = plan_proposers(("ssm",), (True,), SpeculationOptions(expansion=(2, 2, 1), max_tree_nodes=4))
     assert plan[0][1].schedule == (2,)  # 1 + 2 nodes; a second level would make 7
+
+
+NGRAM_LIMITS = [  # (max_nodes, expected tree tokens): continuations [[7, 9, 5]] and [[9, ...]]
+    (None, 4),
+    (3, 3),
+    (1, 1),
+]
+
+
+@pytest.mark.parametrize("max_nodes,expected", NGRAM_LIMITS)
+def test_ngram_proposal_respects_the_tree_budget(max_nodes, expected):
+    from engine.draft import DraftSpec
+
+    drafter = NgramDrafter(0, max_ngram=2, max_tokens=3, max_matches=1)
+    proposal = drafter.draft(None, [5, 6, 7, 9, 5, 6], DraftSpec((1,), max_nodes=max_nodes), None)
+    assert proposal.tree.size == expected
