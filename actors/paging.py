@@ -27,7 +27,8 @@ class Guard:
 
 
 def make_dropper(release: Callable[[object], None]) -> Callable[[object], None]:
-    """``on_drop`` for a RequestStore whose states have ``guard`` and a paged ``sequence()``."""
+    """``on_drop`` for a RequestStore whose states have a ``guard``: ``release(state)`` runs once no
+    call of that request is in flight, and later calls of it answer None."""
 
     def drop(state) -> None:
         with state.guard.lock:  # waits for a call in flight on this request

@@ -57,6 +57,8 @@ class RemoteSession:
         self.group.release(self.request_id)
 
     def _plan(self, max_tree_nodes: int) -> None:
+        """The proposers' draft specs for trees of at most ``max_tree_nodes`` (kept until it changes)."""
+        self.planned_nodes = max_tree_nodes
         options = replace(self.request.speculation, max_tree_nodes=max_tree_nodes)
         plan = plan_proposers(self.group.names, self.group.neural, options)
         specs = [(i, replace(spec, sampling=self.request.sampling)) for i, spec in plan]
@@ -85,9 +87,10 @@ class RemoteSession:
                 await asyncio.sleep(0.05)
 
     async def _step(self) -> StepUpdate:
-        budget = self.tree_budget()
-        if budget is not None:
-            self._plan(min(budget, self.request.speculation.max_tree_nodes))
+        budget, nodes = self.tree_budget(), self.request.speculation.max_tree_nodes
+        nodes = nodes if budget is None else min(budget, nodes)
+        if nodes != self.planned_nodes:
+            self._plan(nodes)
         began = time.perf_counter()
         proposal_ref = self._draft()
         proposal: Proposal | None = await proposal_ref if not isinstance(proposal_ref, Proposal) else proposal_ref

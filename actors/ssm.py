@@ -48,8 +48,8 @@ class SSMActor(HoldsRequests):
         loaded = load_configured(config, model_config)
         self.index, self.name = index, model_config.name
         self.paged = config.server.batching.enabled
-        release = make_dropper(lambda state: state.cache.release()) if self.paged else None
-        self.store: RequestStore[DraftState] = RequestStore(config.server.request_ttl_s, on_drop=release)
+        self.store: RequestStore[DraftState] = RequestStore(
+            config.server.request_ttl_s, on_drop=make_dropper(lambda state: self.drafter.release(state.cache)))
         if self.paged:  # a 25% larger pool: its releases may arrive after the verifier admitted more
             pool, batcher = batching_parts(config, loaded.model, lambda: len(self.store), scale=1.25)
             self.drafter = PagedDrafter(loaded.model, index, model_config.name, pool, batcher)
@@ -83,8 +83,8 @@ class SSMActor(HoldsRequests):
         return self.drafter.batcher.counters if self.paged else None
 
     def pool_blocks(self) -> tuple[int, int, int] | None:
-        pool = self.drafter.pool if self.paged else None
-        return None if pool is None else (pool.num_free, pool.num_unreserved, pool.num_blocks)
+        """(free, unreserved, total) blocks of the paged pool, or None without one."""
+        return self.drafter.pool.counts() if self.paged else None
 
     def draft_timings(self) -> list[DraftTiming]:
         return list(self.timings)

@@ -148,6 +148,7 @@ class RemoteTargetState:
     state_id: str
     generation: int
     length: int = 0
+    dropper: weakref.finalize | None = None  # drops the ranks' shards once, on release or collection
 
 
 class TensorParallelTarget:
@@ -236,8 +237,11 @@ class TensorParallelTarget:
             if not self.ranks:
                 self._start()
             state = RemoteTargetState(uuid.uuid4().hex, self.generation)
-        weakref.finalize(state, self._drop, state.state_id, state.generation)
+        state.dropper = weakref.finalize(state, self._drop, state.state_id, state.generation)
         return state
+
+    def release(self, state: RemoteTargetState) -> None:
+        state.dropper()
 
     def _drop(self, state_id: str, generation: int) -> None:
         with self._lock:

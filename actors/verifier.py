@@ -52,8 +52,8 @@ class VerifierActor(HoldsRequests):
         setup_process(torch_threads)
         self.target, loaded = load_target(config, name_prefix, namespace)
         self.paged = config.server.batching.enabled
-        release = make_dropper(lambda state: self.target.release(state.target)) if self.paged else None
-        self.store: RequestStore[VerifyState] = RequestStore(config.server.request_ttl_s, on_drop=release)
+        self.store: RequestStore[VerifyState] = RequestStore(
+            config.server.request_ttl_s, on_drop=make_dropper(lambda state: self.target.release(state.target)))
         capacity = None
         if self.paged:
             pool, batcher = batching_parts(config, loaded.model, lambda: len(self.store))
@@ -91,8 +91,7 @@ class VerifierActor(HoldsRequests):
 
     def pool_blocks(self) -> tuple[int, int, int] | None:
         """(free, unreserved, total) blocks of the paged pool, or None without one."""
-        pool = self.target.pool if self.paged else None
-        return None if pool is None else (pool.num_free, pool.num_unreserved, pool.num_blocks)
+        return self.target.pool.counts() if self.paged else None
 
     def prefill(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                 reserve_tokens: int = 0) -> int | None:
@@ -104,8 +103,7 @@ class VerifierActor(HoldsRequests):
         target_state = self.target.new_state(reserve_tokens) if self.paged else self.target.new_state()
         state = VerifyState(target_state, sampling, make_generator(sampling.seed, 0))
         if not self.store.put(request_id, state):
-            if self.paged:
-                self.target.release(target_state)
+            self.target.release(target_state)
             return None
         with state.guard.lock:
             if state.guard.dropped:

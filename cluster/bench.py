@@ -388,7 +388,10 @@ class BenchSettings:
         if self.num_prompts < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 1 or self.warmup_tokens < 0:
             raise ValueError("num_prompts, max_new_tokens and max_prompt_tokens must be >= 1, warmup_tokens >= 0")
         if self.concurrency and not self.via:
-            raise ValueError("--concurrency needs --via grpc HOST:PORT: load tests run against a server")
+            raise ValueError("--concurrency needs --via grpc HOST:PORT: load tests run against a running server "
+                             "(e.g. --via grpc 127.0.0.1:9000 --concurrency 1,2,4,8)")
+        if self.load_only and not self.concurrency:
+            raise ValueError("--load-only runs only the --concurrency levels: give --concurrency too")
         if any(level < 1 for level in self.concurrency) or len(set(self.concurrency)) != len(self.concurrency):
             raise ValueError(f"concurrency levels must be distinct and >= 1, got {list(self.concurrency)}")
         if self.requests is not None and (self.requests < 1 or not self.concurrency):

@@ -73,20 +73,6 @@ def concurrency_levels(text: str) -> tuple[int, ...]:
     return levels
 
 
-def check_load_arguments(args: argparse.Namespace) -> None:
-    """--concurrency and --requests need a server (argparse error, exit code 2, otherwise)."""
-    parser = args.bench_parser
-    if args.concurrency and not args.via:
-        parser.error("--concurrency needs --via grpc HOST:PORT: load tests run against a running server "
-                     "(e.g. --via grpc 127.0.0.1:9000 --concurrency 1,2,4,8)")
-    if args.load_only and not args.concurrency:
-        parser.error("--load-only runs only the --concurrency levels: give --concurrency too")
-    if args.requests is not None and not args.concurrency:
-        parser.error("--requests sets the requests per --concurrency level: give --concurrency too")
-    if args.requests is not None and args.requests < 1:
-        parser.error(f"--requests must be >= 1, got {args.requests}")
-
-
 def bench_settings(args: argparse.Namespace):
     from .bench import GREEDY_METHODS, SAMPLED_METHODS, BenchSettings
 
@@ -106,8 +92,10 @@ def bench_settings(args: argparse.Namespace):
 def run_bench_command(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
-    check_load_arguments(args)
-    settings = bench_settings(args)
+    try:
+        settings = bench_settings(args)
+    except ValueError as error:  # BenchSettings checks the options: an argparse error, exit code 2
+        args.bench_parser.error(str(error))
     run_bench(settings)
     print((settings.out / "results.md").read_text(encoding="utf-8"))
     load = ", load.jsonl" if settings.concurrency else ""

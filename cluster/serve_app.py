@@ -182,11 +182,14 @@ class SpecInferIngress:
                 session.release()
 
     def _admission(self, request) -> Admission:
-        """The request's worst-case KV need in the verifier's pool (prompt, output, one tree)."""
+        """The request's worst-case KV need in the verifier's pool: prompt, output and one merged
+        tree (each proposer adds at most max_tree_nodes - 1 nodes under the shared root)."""
         capacity = self.info.kv_capacity_tokens
         if capacity is None:
             return Admission()
-        need = len(request.prompt_ids) + request.max_new_tokens + request.speculation.max_tree_nodes + 1
+        proposers = len(request.speculation.proposers or self.group.names)
+        tree = 1 + proposers * (request.speculation.max_tree_nodes - 1)
+        need = len(request.prompt_ids) + request.max_new_tokens + tree
         if need > capacity:
             raise PoolExhausted(f"the request needs {need} tokens of KV cache (prompt + max_new_tokens + tree) but "
                                 f"the pool holds {capacity} (server.batching.kv_cache_tokens)")

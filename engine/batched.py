@@ -7,6 +7,7 @@ through a ``ForwardBatcher``, which packs the forwards of every request thread i
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -86,7 +87,7 @@ def paged_parts(model, tokens: int, block_size: int = 16, window_s: float = 0.0,
                 window_fraction: float = 0.0) -> tuple[BlockPool, ForwardBatcher]:
     """A pool of ``tokens`` slots for ``model`` and a batcher over it."""
     pool = BlockPool.for_model(model, tokens, block_size)
-    return pool, ForwardBatcher(PagedModel(model, pool), window_s, expected, window_fraction=window_fraction)
+    return pool, ForwardBatcher(PagedModel(model, pool), window_s, expected, window_fraction)
 
 
 def time_packed_forward(model: PagedModel, total_tokens: int, prefix: int = 256, repeats: int = 3) -> float:
@@ -101,4 +102,4 @@ def time_packed_forward(model: PagedModel, total_tokens: int, prefix: int = 256,
         times.append((time.perf_counter() - began) * 1e3)
         sequence.truncate(prefix)
     sequence.release()
-    return sorted(times[1:])[len(times[1:]) // 2]
+    return statistics.median(times[1:])

@@ -46,8 +46,8 @@ class ForwardBatcher:
     is streamed to its client before its next call)."""
 
     def __init__(self, model: PagedModel, window_s: float = 0.0, expected: Callable[[], int] | None = None,
-                 on_batch: Callable[[int, int], None] | None = None, window_fraction: float = 0.0):
-        self.model, self.on_batch = model, on_batch
+                 window_fraction: float = 0.0):
+        self.model = model
         self.window_s, self.window_fraction, self.expected = window_s, window_fraction, expected
         self._opened, self._last_forward_s = 0.0, 0.0
         self.counters = BatchCounters()
@@ -131,5 +131,3 @@ class ForwardBatcher:
         c = self.counters
         c.forwards, c.items, c.tokens = c.forwards + 1, c.items + len(batch), c.tokens + tokens
         c.largest = max(c.largest, len(batch))
-        if self.on_batch is not None:
-            self.on_batch(len(batch), tokens)

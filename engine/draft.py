@@ -141,6 +141,9 @@ class ModelDrafter:
     def new_state(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
 
+    def release(self, state: DynamicCache) -> None:
+        """Nothing to give back: a DynamicCache is freed with its state (PagedDrafter overrides)."""
+
     @torch.inference_mode()
     def draft(
         self, cache: DynamicCache, committed: list[int], spec: DraftSpec, generator: torch.Generator
@@ -218,6 +221,9 @@ class NgramDrafter:
 
     def new_state(self) -> None:
         return None
+
+    def release(self, state: None) -> None:
+        """Stateless."""
 
     def draft(self, state: None, committed: list[int], spec: DraftSpec, generator: torch.Generator) -> Proposal:
         """Continuations as chains under the root, at most ``spec.max_nodes`` nodes in all."""

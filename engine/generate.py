@@ -277,10 +277,10 @@ class _Session:
         self.finish_reason: str | None = None
 
     def close(self) -> None:
-        """Release states that hold shared memory (paged KV blocks); plain caches need nothing."""
-        for owner, state in [(self.engine.target, self.target_state)] + [(d, s) for d, s, _, _ in self.proposers]:
-            if hasattr(owner, "release"):
-                owner.release(state)
+        """Give the target's and every proposer's state back (paged KV blocks return to their pool)."""
+        self.engine.target.release(self.target_state)
+        for drafter, state, _, _ in self.proposers:
+            drafter.release(state)
 
     def prefill(self) -> StepUpdate:
         logits = self.engine.target.prefill(self.target_state, self.committed)

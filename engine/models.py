@@ -105,7 +105,8 @@ def load_header(spec: ModelSpec) -> LoadedModel:
         generation = GenerationConfig.from_pretrained(source, **kwargs)
     except (OSError, ValueError):  # no generation_config.json
         generation = None
-    return LoadedModel(spec=spec, model=ModelHeader(config, generation), tokenizer=AutoTokenizer.from_pretrained(source, **kwargs))
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    return LoadedModel(spec=spec, model=ModelHeader(config, generation), tokenizer=tokenizer)
 
 
 def resolve_device(device: str) -> torch.device:

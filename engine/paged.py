@@ -57,6 +57,10 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def counts(self) -> tuple[int, int, int]:
+        """(free, unreserved, total) blocks."""
+        return self.num_free, self.num_unreserved, self.num_blocks
+
     @property
     def num_unreserved(self) -> int:
         """Free blocks that no admitted request has been promised."""

@@ -29,6 +29,9 @@ class TargetModel:
     def new_state(self) -> TargetState:
         return TargetState(DynamicCache(config=self.model.config))
 
+    def release(self, state: TargetState) -> None:
+        """Nothing to give back: a DynamicCache is freed with its state (paged targets override)."""
+
     @torch.inference_mode()
     def prefill(self, state: TargetState, prompt_ids: list[int]) -> torch.Tensor:  # -> [V]
         """Run the prompt; return the logits for the first new token."""

@@ -83,8 +83,9 @@ def engine_args(paths: dict[str, Path], **server) -> dict:
         "verifier": {"actor": actor},
         "server": {"max_concurrent_requests": 2, "max_new_tokens_limit": 400, "request_ttl_s": 600.0,
                    "ssm_actor": actor, "merge_actor": {**actor, "num_cpus": 0.1},
-                   # 1024 tokens: two requests of a 110-token prompt and 400 new tokens do not fit at once
-                   "batching": {"kv_cache_tokens": 1024, "admission_timeout_s": 1.0}, **server},
+                   # 1152 tokens: a 110-token prompt, 400 new tokens and a tree of 3 x 31 + 1 nodes need
+                   # 604: two such requests do not fit at once, two of the 34/60-token PROMPTS do
+                   "batching": {"kv_cache_tokens": 1152, "admission_timeout_s": 2.0}, **server},
     }
 
 

@@ -448,7 +448,8 @@ def test_batched_requests_equal_each_alone_and_return_their_blocks(serving, ingr
     assert wait_until(lambda: nothing_held(ingress) and pools_settled(ingress), timeout_s=60), held_requests(ingress)
 
 
-ADMISSION_PROMPT = "p" * 110  # 110 + 400 new + 33 tree tokens: two do not fit in the 1024-token pool
+ADMISSION_PROMPT = "p" * 110  # 110 + 400 new + 94 tree tokens = 604: two do not fit in the 1152-token pool
+ADMISSION_NEED = 110 + LONG + 1 + 3 * 31
 
 
 @pytest.mark.ray
@@ -461,7 +462,7 @@ def test_request_without_kv_memory_waits_then_is_resource_exhausted(serving, ing
                 client.generate(build_request(ADMISSION_PROMPT, max_new_tokens=LONG), timeout=30)
             assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "KV memory" in caught.value.details() and "admission_timeout_s" in caught.value.details()
-            assert 0.9 <= time.monotonic() - began < 10  # it waited admission_timeout_s (1 s) first
+            assert 1.9 <= time.monotonic() - began < 10  # it waited admission_timeout_s (2 s) first
         finally:
             holder.cancel()
     assert wait_until(lambda: nothing_held(ingress) and pools_settled(ingress), timeout_s=60), held_requests(ingress)
@@ -469,14 +470,20 @@ def test_request_without_kv_memory_waits_then_is_resource_exhausted(serving, ing
 
 @pytest.mark.ray
 def test_waiting_request_is_admitted_when_memory_returns(serving, ingress, local_engine, tiny_args):
-    """The first request ends at a stop string early in its output; the second, which could not
-    get its blocks while the first ran, is admitted when they come back."""
+    """The first request ends at a stop string well into its output; the second, which cannot get
+    its blocks while the first runs (checked on the pool), is admitted when they come back."""
+    import ray
+
     first_text = local_result(local_engine, tiny_args, ADMISSION_PROMPT, max_new_tokens=LONG)[1].text
-    stop = first_text[6:9]
+    at = next(i for i in range(20, len(first_text) - 3) if first_text.find(first_text[i:i + 3]) == i)
+    stop = first_text[at:at + 3]  # first seen after 20 characters of output
     _, expected = local_result(local_engine, tiny_args, "q" * 110, max_new_tokens=LONG)
+    verifier = ingress.actors.remote().result()["verifier"]
     with Client(serving) as client:
         holder = client.stream(build_request(ADMISSION_PROMPT, max_new_tokens=LONG, stop=[stop]), timeout=60)
         next(holder)
+        _, unreserved, _ = ray.get(verifier.pool_blocks.remote())
+        assert unreserved * 16 < ADMISSION_NEED  # while the first runs, the second must wait
         second = client.generate(build_request("q" * 110, max_new_tokens=LONG), timeout=60)
         assert list(second.token_ids) == list(expected.token_ids)
         assert [chunk.finish_reason for chunk in holder][-1] == pb.FINISH_REASON_STOP
