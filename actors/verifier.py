@@ -89,6 +89,10 @@ class VerifierActor(HoldsRequests):
     def batch_counters(self):
         return self.target.batcher.counters if self.paged else None
 
+    def hold_next_batch(self, count: int) -> None:
+        """The next packed forward waits for ``count`` requests (tests: sharing made certain)."""
+        self.target.batcher.hold_next(count)
+
     def pool_blocks(self) -> tuple[int, int, int] | None:
         """(free, unreserved, total) blocks of the paged pool, or None without one."""
         return self.target.pool.counts() if self.paged else None

@@ -55,7 +55,17 @@ class ForwardBatcher:
         self._queue: list[_Ticket] = []
         self._active = 0
         self._running = False
+        self._hold = 0
         self._local = threading.local()
+
+    def hold_next(self, count: int) -> None:
+        """Make the next batch wait until ``count`` forwards are queued, whatever the timing.
+
+        For tests and benchmarks that must see requests share a forward: the sharing is then
+        certain, not a matter of scheduling. The caller must make sure ``count`` forwards come.
+        """
+        with self._cond:
+            self._hold = count
 
     @contextmanager
     def participant(self) -> Iterator[None]:
@@ -98,9 +108,10 @@ class ForwardBatcher:
     def _maybe_lead(self) -> None:
         """Run the queued batch on this thread if every participant is waiting."""
         with self._cond:
-            if self._running or not self._queue or len(self._queue) < self._active or self._waiting_for_more():
+            if (self._running or not self._queue or len(self._queue) < max(self._active, self._hold)
+                    or self._waiting_for_more()):
                 return
-            batch, self._queue, self._running = self._queue, [], True
+            batch, self._queue, self._running, self._hold = self._queue, [], True, 0
         began = time.monotonic()
         try:
             results = self.model.forward([ticket.item for ticket in batch])

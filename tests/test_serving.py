@@ -414,6 +414,7 @@ def test_batched_requests_equal_each_alone_and_return_their_blocks(serving, ingr
 
     verifier = ingress.actors.remote().result()["verifier"]
     before = ray.get(verifier.batch_counters.remote())
+    ray.get(verifier.hold_next_batch.remote(2))  # the two lanes' first prefills share a forward, certainly
     expected = [local_result(local_engine, tiny_args, p, max_new_tokens=n)[1].token_ids for p, n, _, _ in MIXED]
     outputs: dict[int, list[int]] = {}
 
