@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import ray
 
-from cluster.config import ActorOptions, EngineConfig
+from settings.config import ActorOptions, EngineConfig
 
 from .merge import MergeActor
 from .ssm import SSMActor

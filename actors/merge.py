@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.config import NgramConfig
+from settings.config import NgramConfig
 from engine.draft import DraftSpec, NgramDrafter, Proposal
 from engine.generate import root_only_proposal
 from engine.merge import merge

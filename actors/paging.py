@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cluster.config import EngineConfig
+from settings.config import EngineConfig
 from engine.batched import paged_parts
 from engine.batching import ForwardBatcher
 from engine.paged import BlockPool

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from cluster.build import load_configured
-from cluster.config import EngineConfig
+from settings.config import EngineConfig
 from engine.batched import PagedDrafter
 from engine.draft import DraftSpec, ModelDrafter, Proposal
 from engine.paged import PagedSequence

@@ -5,8 +5,8 @@ CPU) and shards it with ``deepspeed.init_inference(..., replace_with_kernel_inje
 Kernel injection stays off: DeepSpeed's injected attention kernels ignore custom attention masks
 (DeepSpeed issues #1466, #1912, #3960) and tree verification depends on the tree mask.
 
-``TensorParallelTarget`` has the methods of ``engine.target.TargetModel`` (``new_state``,
-``prefill``, ``forward_tree``, ``commit``), so the in-process engine and the verifier actor use it
+``TensorParallelTarget`` implements ``engine.target.Target`` (``new_state``, ``prefill``,
+``forward_tree``, ``commit``, ``release``, ``shutdown``), so the in-process engine and the verifier actor use it
 unchanged. Every call goes to all ranks in the same order (a lock around submission; each rank runs
 one call at a time, in order), since every forward runs collectives. Every rank computes the same
 all-reduced logits; rank 0's are returned, the caller verifies on them, and ``commit`` sends the
@@ -35,7 +35,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.build import load_configured
-from cluster.config import EngineConfig
+from settings.config import EngineConfig
 from engine.target import TargetModel
 from engine.tree import TokenTree
 
@@ -231,8 +231,9 @@ class TensorParallelTarget:
                     self.shutdown()  # the next new_state starts a new group
             raise RanksFailed(f"a tensor-parallel rank failed during {method}: {error}") from error
 
-    # -- the TargetModel interface ----------------------------------------------------------
-    def new_state(self) -> RemoteTargetState:
+    # -- the engine.target.Target interface ----------------------------------------------------------
+    def new_state(self, reserve_tokens: int = 0) -> RemoteTargetState:
+        """Each rank's DynamicCache grows as needed: nothing to reserve."""
         with self._lock:
             if not self.ranks:
                 self._start()

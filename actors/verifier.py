@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.build import load_target
-from cluster.config import EngineConfig
+from settings.config import EngineConfig
 from engine.draft import Proposal
 from engine.generate import first_token, verify_tree
 from engine.models import eos_token_ids
@@ -83,8 +83,7 @@ class VerifierActor(HoldsRequests):
 
     def shutdown(self) -> None:
         """Stop tensor-parallel ranks cleanly (their shared memory too); nothing to do at tp=1."""
-        if hasattr(self.target, "shutdown"):
-            self.target.shutdown()
+        self.target.shutdown()
 
     def batch_counters(self):
         return self.target.batcher.counters if self.paged else None
@@ -104,7 +103,7 @@ class VerifierActor(HoldsRequests):
         With a paged pool the request's worst case (``reserve_tokens``) is reserved first; if the
         pool cannot promise it, PoolExhausted is raised and nothing is kept (admission).
         """
-        target_state = self.target.new_state(reserve_tokens) if self.paged else self.target.new_state()
+        target_state = self.target.new_state(reserve_tokens)
         state = VerifyState(target_state, sampling, make_generator(sampling.seed, 0))
         if not self.store.put(request_id, state):
             self.target.release(target_state)

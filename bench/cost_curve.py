@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from cluster.build import load_configured, set_threads
-from cluster.config import load_config
+from settings.config import load_config
 from engine import kv
 from engine.target import TargetModel
 from engine.tree import TokenTree

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from cluster.build import build_engine, speculation_options
-from cluster.config import load_config
+from settings.config import load_config
 from engine.generate import GenerationRequest
 from engine.sampling import SamplingParams
 

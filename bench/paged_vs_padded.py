@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cluster.build import load_configured, set_threads  # noqa: E402
-from cluster.config import load_config  # noqa: E402
+from settings.config import load_config  # noqa: E402
 from engine import kv  # noqa: E402
 from engine.batched import time_packed_forward  # noqa: E402
 from engine.budget import budget_from_curve  # noqa: E402

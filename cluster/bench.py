@@ -43,7 +43,7 @@ from engine.draft import CHILDREN_RULES
 from engine.generate import GenerationRequest, SpeculationOptions
 from engine.sampling import SamplingParams
 
-from .config import EngineConfig, load_config
+from settings.config import EngineConfig, load_config
 from .datasets import DEFAULT_MAX_PROMPT_TOKENS, EncodedPrompt, load_workload
 
 logger = logging.getLogger(__name__)

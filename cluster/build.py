@@ -13,7 +13,7 @@ from engine.models import (LoadedModel, ModelSpec, check_same_vocabulary, eos_to
                            quantize_int8, truncate_layers)
 from engine.target import TargetModel
 
-from .config import EngineConfig, ModelConfig
+from settings.config import EngineConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,7 @@ def load_target(config: EngineConfig, name_prefix: str = "specinfer", namespace:
 
 def close_engine(engine: SpeculativeEngine) -> None:
     """Stop what the engine started outside this process (tensor-parallel ranks)."""
-    if hasattr(engine.target, "shutdown"):
-        engine.target.shutdown()
+    engine.target.shutdown()
 
 
 def set_threads(threads: int | None) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from engine.generate import GenerationRequest
 from engine.sampling import SamplingParams
 
-from .config import EngineConfig, load_config
+from settings.config import EngineConfig, load_config
 
 
 def add_parsers(subparsers) -> None:

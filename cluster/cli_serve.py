@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from .cli_generate import add_sampling_arguments
-from .config import APP_NAME, engine_section, read_yaml
+from settings.config import APP_NAME, engine_section, read_yaml
 
 DEFAULT_SERVE_CONFIG = "configs/serve.yaml"
 logger = logging.getLogger(__name__)

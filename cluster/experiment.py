@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .bench import BenchSettings, LocalRunner, run_bench
-from .config import Dtype, EngineConfig, ModelConfig, NgramConfig, engine_section, read_yaml
+from settings.config import Dtype, EngineConfig, ModelConfig, NgramConfig, engine_section, read_yaml
 from .datasets import DEFAULT_MAX_PROMPT_TOKENS
 
 

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BeforeValidator, Field, model_validator
 
-from .config import APP_NAME, EngineConfig, _Strict, engine_section, read_yaml
+from settings.config import APP_NAME, EngineConfig, Strict, engine_section, read_yaml
 
 DEFAULT_SERVE_CONFIG = "configs/serve.yaml"
 DEFAULT_OVERLAY = "k8s/overlay.yaml"
@@ -46,7 +46,7 @@ HEADER = (
 Quantity = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, (int, float)) else v)]
 
 
-class ModelsVolume(_Strict):
+class ModelsVolume(Strict):
     """The PersistentVolumeClaim holding the converted models (k8s/models-pvc.yaml)."""
 
     claim_name: str = "specinfer-models"
@@ -58,14 +58,14 @@ class ModelsVolume(_Strict):
     fetch_memory: Quantity = "12Gi"
 
 
-class HeadGroup(_Strict):
+class HeadGroup(Strict):
     """Ray head: GCS, dashboard, Serve controller and a proxy; no GPUs and no logical CPUs."""
 
     cpu: Quantity = "2"
     memory: Quantity = "8Gi"
 
 
-class WorkerGroup(_Strict):
+class WorkerGroup(Strict):
     """GPU workers: the ingress replica, the verifier, the SSM and merge actors."""
 
     group_name: str = "gpu"
@@ -86,7 +86,7 @@ class WorkerGroup(_Strict):
         return self
 
 
-class KubernetesOverlay(_Strict):
+class KubernetesOverlay(Strict):
     """The RayService/RayCluster-level settings (the overlay's ``kubernetes`` section)."""
 
     name: str = APP_NAME
@@ -102,7 +102,7 @@ class KubernetesOverlay(_Strict):
     models: ModelsVolume = ModelsVolume()
 
 
-class Overlay(_Strict):
+class Overlay(Strict):
     serve: dict[str, Any] = Field(default_factory=dict)
     kubernetes: KubernetesOverlay
 

@@ -37,7 +37,7 @@ from engine.paged import PoolExhausted
 from protos import specinfer_pb2 as pb
 
 from .build import speculation_options
-from .config import APP_NAME, EngineConfig
+from settings.config import APP_NAME, EngineConfig
 from .metrics import RequestObservation, ServingMetrics, observed
 from .serve_requests import InvalidArgument, ModelLimits, finish_reason, parse_request, stats_message
 

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import specinfer_pb2 as pb
 from protos import specinfer_pb2_grpc
 
-from .config import APP_NAME
+from settings.config import APP_NAME
 from .serve_requests import CHILDREN, MODES
 
 FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",

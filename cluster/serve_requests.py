@@ -12,7 +12,7 @@ from engine.generate import GenerationRequest, GenerationStats, SpeculationOptio
 from engine.sampling import SamplingParams
 from protos import specinfer_pb2 as pb
 
-from .config import EngineConfig
+from settings.config import EngineConfig
 
 MODES = {pb.SPECULATION_MODE_INCREMENTAL: "incremental", pb.SPECULATION_MODE_SEQUENCE: "sequence",
          pb.SPECULATION_MODE_TREE: "tree"}

@@ -19,7 +19,8 @@ from .tree import TokenTree, ancestor_mask, positions
 
 
 class PagedTarget:
-    """The target: each request is a PagedSequence (its block table in the pool)."""
+    """The target (``engine.target.Target``): each request is a PagedSequence (its block table in
+    the pool)."""
 
     def __init__(self, model, pool: BlockPool, batcher: ForwardBatcher):
         self.model, self.pool, self.batcher = model, pool, batcher
@@ -43,6 +44,9 @@ class PagedTarget:
 
     def release(self, state: PagedSequence) -> None:
         state.release()
+
+    def shutdown(self) -> None:
+        """Nothing beyond the pool and the model, which the caller owns."""
 
 
 class PagedDrafter(ModelDrafter):

@@ -1,14 +1,52 @@
-"""The target model side: prefill, one forward over a whole tree, commit of the accepted path."""
+"""The target model side: prefill, one forward over a whole tree, commit of the accepted path.
+
+``Target`` is the one interface every target implements with the same signatures: the plain
+``TargetModel`` here (a DynamicCache per request), ``PagedTarget`` (``engine.batched``: a block
+table in a shared pool, forwards batched across requests) and the tensor-parallel target
+(``actors.tensor_parallel``: DeepSpeed AutoTP ranks).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from transformers import DynamicCache
 
 from . import kv
 from .tree import TokenTree, ancestor_mask, attention_bias, positions
+
+
+class TargetStateLike(Protocol):
+    """A request's state on a target: ``length`` tokens are in its KV cache (the root is not)."""
+
+    @property
+    def length(self) -> int: ...
+
+
+@runtime_checkable
+class Target(Protocol):
+    """What the speculative step needs from a target. Calls on one state come one at a time."""
+
+    def new_state(self, reserve_tokens: int = 0) -> TargetStateLike:
+        """A fresh request state; ``reserve_tokens`` is promised memory where a pool exists
+        (raises ``engine.paged.PoolExhausted`` when it cannot be promised)."""
+
+    def prefill(self, state: TargetStateLike, prompt_ids: list[int]) -> torch.Tensor:  # -> [V]
+        """Run the prompt into the state's cache; the logits of the first new token."""
+
+    def forward_tree(self, state: TargetStateLike, tree: TokenTree) -> torch.Tensor:  # -> [N, V]
+        """One forward over the whole tree (positions prefix + depth, tree mask)."""
+
+    def commit(self, state: TargetStateLike, prefix_length: int, path: tuple[int, ...]) -> None:
+        """Keep the prefix plus the accepted path (root included); drop the other tree entries."""
+
+    def release(self, state: TargetStateLike) -> None:
+        """Give the state's memory back (idempotent)."""
+
+    def shutdown(self) -> None:
+        """Free what the target holds beyond its states (processes, shared memory)."""
 
 
 @dataclass
@@ -26,11 +64,15 @@ class TargetModel:
     def __init__(self, model):
         self.model = model
 
-    def new_state(self) -> TargetState:
+    def new_state(self, reserve_tokens: int = 0) -> TargetState:
+        """A DynamicCache grows as needed: nothing to reserve."""
         return TargetState(DynamicCache(config=self.model.config))
 
     def release(self, state: TargetState) -> None:
-        """Nothing to give back: a DynamicCache is freed with its state (paged targets override)."""
+        """Nothing to give back: a DynamicCache is freed with its state."""
+
+    def shutdown(self) -> None:
+        """Nothing beyond the model, which the caller owns."""
 
     @torch.inference_mode()
     def prefill(self, state: TargetState, prompt_ids: list[int]) -> torch.Tensor:  # -> [V]

@@ -196,7 +196,7 @@ def metrics_url(ray_session) -> str:
 def local_engine(tiny_args):
     """The in-process engine on the same config (the reference for every served output)."""
     from cluster.build import build_engine
-    from cluster.config import EngineConfig
+    from settings.config import EngineConfig
 
     if "local_engine" not in _SESSION:
         _SESSION["local_engine"] = build_engine(EngineConfig.model_validate(tiny_args))

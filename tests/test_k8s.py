@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from cluster import k8s
-from cluster.config import EngineConfig, engine_section, read_yaml
+from settings.config import EngineConfig, engine_section, read_yaml
 
 try:
     import tomllib

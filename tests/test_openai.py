@@ -116,7 +116,7 @@ def openai_client(http_base):  # noqa: F811
 def engine_result(engine, args, prompt=None, messages=None, max_new_tokens=32, stop=()):
     """The in-process engine's greedy answer with the server's speculation options."""
     from cluster.build import speculation_options
-    from cluster.config import EngineConfig
+    from settings.config import EngineConfig
     from engine.generate import GenerationRequest
     from engine.sampling import SamplingParams
 

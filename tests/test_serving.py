@@ -32,7 +32,7 @@ def local_result(engine, config_args, prompt=None, messages=(), max_new_tokens=2
                  top_k=0, seed=None, stop=(), **speculation):
     """The in-process engine's answer to the request the server gets."""
     from cluster.build import speculation_options
-    from cluster.config import EngineConfig
+    from settings.config import EngineConfig
     from engine.generate import GenerationRequest, SpeculationOptions
     from engine.sampling import SamplingParams
 
@@ -93,7 +93,7 @@ def test_serve_config_is_accepted_by_serve_and_engine():
     from ray.serve.schema import ServeDeploySchema
 
     from cluster.cli_serve import _import_attr, load_serve_config
-    from cluster.config import APP_NAME, load_config
+    from settings.config import APP_NAME, load_config
 
     data = load_serve_config(SERVE_YAML)
     schema = ServeDeploySchema.model_validate(data)

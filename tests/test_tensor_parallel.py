@@ -34,7 +34,7 @@ def tp_args(args: dict) -> dict:
 def engines(ray_session, tiny_args):
     """(tp=1 engine, tp=2 engine) on the same tiny target and SSMs; the tp=2 ranks stop at the end."""
     from cluster.build import build_engine
-    from cluster.config import EngineConfig
+    from settings.config import EngineConfig
 
     single = build_engine(EngineConfig.model_validate(tiny_args))
     parallel = build_engine(EngineConfig.model_validate(tp_args(tiny_args)))
@@ -107,7 +107,7 @@ def test_failed_rank_fails_fast_and_group_is_rebuilt(ray_session, tiny_args):
     from actors.common import StateLost
     from actors.tensor_parallel import RanksFailed
     from cluster.build import build_engine
-    from cluster.config import EngineConfig
+    from settings.config import EngineConfig
 
     engine = build_engine(EngineConfig.model_validate(tp_args(tiny_args)))
     try:
@@ -158,7 +158,7 @@ def test_grpc_generation_with_tensor_parallel_verifier(serving, tiny_args, tiny_
 def test_two_gpu_ranks_over_nccl_match_single_process(engines, tiny_args):
     """On a machine with 2+ GPUs: one GPU per rank, NCCL; the same greedy ids as tp=1 on CPU."""
     from cluster.build import build_engine, close_engine
-    from cluster.config import EngineConfig
+    from settings.config import EngineConfig
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")

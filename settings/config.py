@@ -17,11 +17,11 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 APP_NAME = "specinfer"
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ModelConfig(_Strict):
+class ModelConfig(Strict):
     """A target or SSM. ``source``: a hub id, a directory, a .gguf file, or a name in models_dir."""
 
     name: str
@@ -34,7 +34,7 @@ class ModelConfig(_Strict):
     quantize: Literal["none", "int8"] = "none"
 
 
-class NgramConfig(_Strict):
+class NgramConfig(Strict):
     """Prompt-lookup proposer."""
 
     name: str = "ngram"
@@ -44,7 +44,7 @@ class NgramConfig(_Strict):
     max_matches: int = Field(default=2, ge=1)
 
 
-class SpeculationConfig(_Strict):
+class SpeculationConfig(Strict):
     mode: Literal["incremental", "sequence", "tree"] = "tree"
     expansion: list[int] = Field(default_factory=lambda: [2, 2, 1, 1])
     sequence_depth: int = Field(default=4, ge=1, le=32)
@@ -60,14 +60,14 @@ class SpeculationConfig(_Strict):
         return value
 
 
-class SamplingDefaults(_Strict):
+class SamplingDefaults(Strict):
     max_new_tokens: int = Field(default=128, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
 
 
-class ActorOptions(_Strict):
+class ActorOptions(Strict):
     """Ray actor options. Fractional CPUs let several actors share a small machine."""
 
     num_cpus: float = Field(default=0.5, ge=0.0)
@@ -77,7 +77,7 @@ class ActorOptions(_Strict):
     torch_threads: int = Field(default=2, ge=1)
 
 
-class VerifierConfig(_Strict):
+class VerifierConfig(Strict):
     """The target's actors. With ``tensor_parallel_size`` N > 1 the target runs as N DeepSpeed
     AutoTP rank actors (one GPU each when ``actor.num_gpus`` is 1), and ``actor`` applies per rank."""
 
@@ -86,7 +86,7 @@ class VerifierConfig(_Strict):
     actor: ActorOptions = ActorOptions()
 
 
-class BatchingConfig(_Strict):
+class BatchingConfig(Strict):
     """Continuous batching: every running request's tree in one target forward, one SSM forward
     per tree level for all requests, KV caches in a pool of fixed-size blocks."""
 
@@ -99,7 +99,7 @@ class BatchingConfig(_Strict):
     admission_timeout_s: float = Field(default=30.0, ge=0.0, description="wait for KV blocks, then RESOURCE_EXHAUSTED")
 
 
-class TreeBudgetConfig(_Strict):
+class TreeBudgetConfig(Strict):
     """Tree tokens per step by load: the verifier measures its verify-cost curve at start; the cap
     on tree tokens per pass is the largest total whose pass costs at most (1 + slack) x a decode
     step, and each of R running requests gets cap / R nodes (at least min_tree_nodes)."""
@@ -110,7 +110,7 @@ class TreeBudgetConfig(_Strict):
     max_total_tokens: int = Field(default=128, ge=1, le=4096)
 
 
-class ServerConfig(_Strict):
+class ServerConfig(Strict):
     max_concurrent_requests: int = Field(default=8, ge=1)
     max_new_tokens_limit: int = Field(default=2048, ge=1)
     request_ttl_s: float = Field(default=600.0, gt=0.0)
@@ -120,7 +120,7 @@ class ServerConfig(_Strict):
     tree_budget: TreeBudgetConfig = TreeBudgetConfig()
 
 
-class EngineConfig(_Strict):
+class EngineConfig(Strict):
     """Models, speculation and serving options of one deployment."""
 
     models_dir: str = "~/.cache/specinfer/models"
