@@ -24,6 +24,22 @@ class StateLost(RuntimeError):
     """An actor has no state for a request it never released (it or its ranks were restarted)."""
 
 
+class NeedsResync(RuntimeError):
+    """An actor lacks the start of a request's committed tokens (it was restarted, or its state
+    expired): the caller sends the whole history again (``start`` 0)."""
+
+
+def sync_history(history: list[int], start: int, new_tokens: list[int]) -> None:
+    """Apply the committed tokens a call carries: ``new_tokens`` belong at offset ``start``.
+
+    Callers send only what an actor has not seen; ``start`` 0 with everything resyncs it.
+    Example: history [5, 6], start 2, new [7] -> [5, 6, 7]; history [], start 2 -> NeedsResync.
+    """
+    if start > len(history):
+        raise NeedsResync(f"have {len(history)} committed tokens, the call continues at {start}")
+    history[start:] = new_tokens
+
+
 def setup_process(torch_threads: int) -> None:
     """Ray sets OMP_NUM_THREADS=1 in workers; take the configured thread count explicitly."""
     torch.set_num_threads(torch_threads)

@@ -27,7 +27,7 @@ class ActorGroup:
     verifier: object  # ActorHandle
 
     def stateful(self) -> list:
-        return [*self.ssms, self.verifier]
+        return [*self.ssms, self.merge, self.verifier]
 
     def everyone(self) -> list:
         return [*self.ssms, self.merge, self.verifier]
@@ -77,7 +77,7 @@ def launch(config: EngineConfig, prefix: str, namespace: str | None = None) -> A
         .remote(config, index, server.ssm_actor.torch_threads)
         for index, ssm in enumerate(config.ssms))
     merge = ray.remote(MergeActor).options(**_options(server.merge_actor, f"{prefix}/merge", namespace)).remote(
-        config.ngram, len(config.ssms), server.merge_actor.torch_threads)
+        config.ngram, len(config.ssms), server.merge_actor.torch_threads, server.request_ttl_s)
     names = tuple([m.name for m in config.ssms] + ([config.ngram.name] if config.ngram else []))
     neural = tuple([True] * len(config.ssms) + ([False] if config.ngram else []))
     return ActorGroup(names, neural, ssms, merge, verifier)

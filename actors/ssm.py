@@ -12,12 +12,12 @@ from transformers import DynamicCache
 from cluster.build import load_configured
 from settings.config import EngineConfig
 from engine.batched import PagedDrafter
-from engine.draft import DraftSpec, ModelDrafter, Proposal
+from engine.draft import ModelDrafter
 from engine.paged import PagedSequence
-from engine.sampling import make_generator
+from engine.step import Assignment, Drafted, draft_with
 
 from .paging import Guard, batching_parts, make_dropper
-from .common import HoldsRequests, Vocabulary, setup_process, sweep_interval, vocabulary
+from .common import HoldsRequests, Vocabulary, setup_process, sweep_interval, sync_history, vocabulary
 from .store import RequestStore, start_sweeper
 
 
@@ -27,6 +27,7 @@ class DraftState:
 
     cache: DynamicCache | PagedSequence
     generator: torch.Generator
+    committed: list[int] = field(default_factory=list)  # every committed token, root last
     guard: Guard = field(default_factory=Guard)
 
 
@@ -62,22 +63,24 @@ class SSMActor(HoldsRequests):
     def ready(self) -> tuple[str, Vocabulary]:
         return self.name, self.vocabulary
 
-    def draft(self, request_id: str, committed: list[int], spec: DraftSpec, seed: int | None) -> Proposal | None:
+    def draft(self, request_id: str, start: int, new_tokens: list[int], assignment: Assignment) -> Drafted | None:
         """Draft one tree for a request (its state is created on first use); None once released.
 
-        ``committed`` is every committed token, root last: the cache rolls itself forward.
+        ``new_tokens``: the committed tokens from offset ``start`` on (only those this actor has not
+        seen; NeedsResync when it lacks earlier ones). The cache rolls itself forward.
         """
-        state = self.store.get_or_create(
-            request_id, lambda: DraftState(self.drafter.new_state(), make_generator(seed, self.index + 1)))
+        state = self.store.get_or_create(request_id, lambda: DraftState(self.drafter.new_state(),
+                                                                         assignment.generator()))
         if state is None:
             return None
         with state.guard.lock:
             if state.guard.dropped:
                 return None
-            start = time.time()
-            proposal = self.drafter.draft(state.cache, committed, spec, state.generator)
-        self.timings.append(DraftTiming(request_id, start, time.time()))
-        return proposal
+            sync_history(state.committed, start, new_tokens)
+            start_s = time.time()
+            drafted = draft_with(self.drafter, state.cache, state.committed, assignment.spec, state.generator)
+        self.timings.append(DraftTiming(request_id, start_s, time.time()))
+        return drafted
 
     def batch_counters(self):
         return self.drafter.batcher.counters if self.paged else None

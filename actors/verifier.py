@@ -9,15 +9,14 @@ import torch
 
 from cluster.build import load_target
 from settings.config import EngineConfig
-from engine.draft import Proposal
-from engine.generate import first_token, verify_tree
+from engine.requests import StepOutcome
+from engine.step import TARGET_STREAM, Drafted, first_token, verify_and_commit
 from engine.models import eos_token_ids
 from engine.sampling import SamplingParams, make_generator
 from engine.batched import PagedTarget, time_packed_forward
 from engine.budget import measure_curve
 from engine.paged import PagedSequence
 from engine.target import TargetState
-from engine.verify import Verdict
 
 from .paging import Guard, batching_parts, make_dropper
 from .common import HoldsRequests, StateLost, Vocabulary, setup_process, sweep_interval, vocabulary
@@ -104,7 +103,7 @@ class VerifierActor(HoldsRequests):
         pool cannot promise it, PoolExhausted is raised and nothing is kept (admission).
         """
         target_state = self.target.new_state(reserve_tokens)
-        state = VerifyState(target_state, sampling, make_generator(sampling.seed, 0))
+        state = VerifyState(target_state, sampling, make_generator(sampling.seed, TARGET_STREAM))
         if not self.store.put(request_id, state):
             self.target.release(target_state)
             return None
@@ -114,14 +113,19 @@ class VerifierActor(HoldsRequests):
             logits = self.target.prefill(state.target, prompt_ids)  # [V]
             return first_token(logits, sampling, state.generator)
 
-    def verify(self, request_id: str, proposal: Proposal) -> Verdict | None:
-        """One target forward over the tree, verification and commit; None once released."""
+    def verify(self, request_id: str, drafted: Drafted | None) -> StepOutcome | None:
+        """One target forward over the tree, verification and commit; None once released.
+
+        ``drafted`` arrives from the merge actor as an object reference: the ingress never holds it.
+        """
         state = self.store.get(request_id)
         if state is None:
             if self.store.was_released(request_id):
                 return None
             raise StateLost(f"verifier has no state for request {request_id} (was the actor restarted?)")
+        if drafted is None:
+            return None
         with state.guard.lock:
             if state.guard.dropped:
                 return None
-            return verify_tree(self.target, state.target, proposal, state.sampling, state.generator)
+            return verify_and_commit(self.target, state.target, drafted, state.sampling, state.generator)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cluster.build import build_engine, speculation_options
 from settings.config import load_config
-from engine.generate import GenerationRequest
+from engine.requests import GenerationRequest
 from engine.sampling import SamplingParams
 
 PROMPTS = {

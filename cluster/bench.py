@@ -40,7 +40,7 @@ from typing import Iterable, Protocol, Sequence
 import numpy as np
 
 from engine.draft import CHILDREN_RULES
-from engine.generate import GenerationRequest, SpeculationOptions
+from engine.requests import GenerationRequest, SpeculationOptions
 from engine.sampling import SamplingParams
 
 from settings.config import EngineConfig, load_config

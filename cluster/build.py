@@ -8,7 +8,8 @@ import os
 import torch
 
 from engine.draft import ModelDrafter, NgramDrafter
-from engine.generate import SpeculationOptions, SpeculativeEngine
+from engine.requests import SpeculationOptions
+from engine.generate import SpeculativeEngine
 from engine.models import (LoadedModel, ModelSpec, check_same_vocabulary, eos_token_ids, load_header, load_model,
                            quantize_int8, truncate_layers)
 from engine.target import TargetModel

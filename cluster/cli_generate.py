@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
 
-from engine.generate import GenerationRequest
+from engine.requests import GenerationRequest
 from engine.sampling import SamplingParams
 
 from settings.config import EngineConfig, load_config
@@ -80,12 +81,13 @@ def run_generate(args) -> int:
     from .build import build_engine, close_engine
 
     config = load_config(args.config, dtype=args.dtype)
-    engine = build_engine(config)
-    try:
-        request = request_from_args(config, args, encode_prompt(engine.tokenizer, args.prompt, args.chat))
-        result = engine.generate(request)
-    finally:
-        close_engine(engine)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries the answer only (libraries log there)
+        engine = build_engine(config)
+        try:
+            request = request_from_args(config, args, encode_prompt(engine.tokenizer, args.prompt, args.chat))
+            result = engine.generate(request)
+        finally:
+            close_engine(engine)
     stats = result.stats.to_dict()
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": list(result.token_ids),

@@ -3,7 +3,8 @@
 The Serve gRPC proxy routes ``/specinfer.v1.SpecInfer/Generate`` and ``.../GenerateStream`` to
 the methods of the same name below (and the standard ``grpc.health.v1.Health/Check``). Each
 ingress replica owns its own verifier, SSM and merge actors (``actors.group``) and drives every
-request's step loop itself (``actors.session``). See docs/serving.md for the reasoning.
+request's step loop itself (``engine.step.Session`` over ``actors.backend.ActorBackend``).
+See docs/serving.md for the reasoning.
 
 The same deployment is also the application's HTTP ingress: Serve's HTTP proxy hands it the
 OpenAI-compatible routes of ``cluster.openai_api`` (``/v1/completions``, ``/v1/chat/completions``,
@@ -29,10 +30,11 @@ from ray.exceptions import RayActorError
 from ray.serve.grpc_util import RayServegRPCContext
 
 from actors.group import ActorGroup, check_ready, launch
-from actors.session import Admission, RemoteSession
+from actors.backend import ActorBackend, Admission
 from actors.verifier import StateLost
 from engine.budget import budget_from_curve
-from engine.generate import StepUpdate
+from engine.requests import StepUpdate
+from engine.step import Session, plan_proposers, tree_reservation
 from engine.paged import PoolExhausted
 from protos import specinfer_pb2 as pb
 
@@ -170,25 +172,26 @@ class SpecInferIngress:
         with observed(self.metrics, observation, status_name), grpc_status(context), self._admitted():
             parsed = parse_request(request, self.config, self.base_options, self.tokenizer, self.limits)
             observation.admitted(len(parsed.prompt_ids))
-            session = RemoteSession(self.group, parsed, self.tokenizer, self.eos_ids, uuid.uuid4().hex,
-                                    self._admission(parsed), self._tree_budget)
-            logger.info("request %s: %d prompt tokens, max_new_tokens %d, mode %s", session.request_id,
+            request_id = uuid.uuid4().hex
+            backend = ActorBackend(self.group, request_id, parsed.sampling, self._admission(parsed))
+            session = Session(backend, parsed, self.group.names, self.group.neural, self.tokenizer, self.eos_ids,
+                              self._tree_budget)
+            logger.info("request %s: %d prompt tokens, max_new_tokens %d, mode %s", request_id,
                         len(parsed.prompt_ids), parsed.max_new_tokens, parsed.speculation.mode)
             try:
                 async for update in session.updates():
                     observation.update(update)
                     yield update
             finally:
-                session.release()
+                session.close()
 
     def _admission(self, request) -> Admission:
         """The request's worst-case KV need in the verifier's pool: prompt, output and one merged
-        tree (each proposer adds at most max_tree_nodes - 1 nodes under the shared root)."""
+        tree (``engine.step.tree_reservation``)."""
         capacity = self.info.kv_capacity_tokens
         if capacity is None:
             return Admission()
-        proposers = len(request.speculation.proposers or self.group.names)
-        tree = 1 + proposers * (request.speculation.max_tree_nodes - 1)
+        tree = tree_reservation(plan_proposers(self.group.names, self.group.neural, request.speculation))
         need = len(request.prompt_ids) + request.max_new_tokens + tree
         if need > capacity:
             raise PoolExhausted(f"the request needs {need} tokens of KV cache (prompt + max_new_tokens + tree) but "

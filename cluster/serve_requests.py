@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from engine.generate import GenerationRequest, GenerationStats, SpeculationOptions, plan_proposers
+from engine.requests import GenerationRequest, GenerationStats, SpeculationOptions
+from engine.step import plan_proposers
 from engine.sampling import SamplingParams
 from protos import specinfer_pb2 as pb
 

@@ -15,7 +15,7 @@ def merge(proposals: Sequence[Proposal]) -> Proposal:
 
     Draws are never dropped or deduplicated (a token two SSMs proposed keeps both draws, each
     with its own q), so stochastic verification stays exact. The node budget is applied before
-    drafting (see ``fit_schedule``), never here by the drawn tokens.
+    drafting (see ``engine.tree.fit_schedule``), never here by the drawn tokens.
 
     Example: proposals with trees (root r) r->a->b and r->a->c, r->d merge to
     tokens [r, a, b, c, d], parents [-1, 0, 1, 1, 0]; node a carries two draws.
@@ -61,19 +61,3 @@ def _concat_q(proposals: Sequence[Proposal]) -> torch.Tensor | None:  # -> [M, V
     width = next(p.draws.q for p in proposals if p.draws.q is not None).shape[-1]
     rows = [p.draws.q if p.draws.q is not None else torch.zeros(p.draws.node.numel(), width) for p in proposals]
     return torch.cat(rows)
-
-
-def fit_schedule(schedule: Sequence[int], budget: int) -> tuple[int, ...]:
-    """Drop the deepest levels until the tree's node count (root excluded) fits the budget.
-
-    Decided before drawing, from the schedule alone, so it cannot bias sampled output.
-    Example: schedule (3, 2, 1, 1), budget 12 -> level sizes 3, 6, 6 overflow; result (3, 2).
-    """
-    kept, level, total = [], 1, 0
-    for width in schedule:
-        level *= width
-        if total + level > budget:
-            break
-        kept.append(width)
-        total += level
-    return tuple(kept)

@@ -9,6 +9,7 @@ attention mask) is derived by the small pure functions below.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -131,3 +132,41 @@ def dfs_order(parents: torch.Tensor) -> list[int]:
         order.append(node)
         stack.extend(reversed(kids[node]))
     return order
+
+
+# -- Tree size. One definition everywhere: a tree's size counts its nodes, ROOT INCLUDED (N). ----
+
+
+def schedule_nodes(schedule: Sequence[int]) -> int:
+    """Nodes of the full tree an expansion schedule grows, root included.
+
+    Example: schedule (2, 2, 1) -> 1 + 2 + 4 + 4 = 11.
+    """
+    total, level = 1, 1
+    for width in schedule:
+        level *= width
+        total += level
+    return total
+
+
+def fit_schedule(schedule: Sequence[int], max_nodes: int) -> tuple[int, ...]:
+    """The longest prefix of ``schedule`` whose full tree has at most ``max_nodes`` nodes (root included).
+
+    Decided before drawing, from the schedule alone, so it cannot bias sampled output.
+    Example: schedule (3, 2, 1, 1), max_nodes 13 -> sizes 1 + 3 + 6 = 10, + 6 = 16 > 13: (3, 2).
+    """
+    kept: list[int] = []
+    for width in schedule:
+        if schedule_nodes(kept + [width]) > max_nodes:
+            break
+        kept.append(width)
+    return tuple(kept)
+
+
+def merged_nodes(proposers: int, max_nodes: int) -> int:
+    """The most nodes a merge of ``proposers`` trees of at most ``max_nodes`` each can have.
+
+    The trees share their root; every other node may be distinct.
+    Example: 3 proposers, max_nodes 7 -> 1 + 3 * 6 = 19.
+    """
+    return 1 + proposers * (max(1, max_nodes) - 1)

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from engine.batched import PagedDrafter, PagedTarget, paged_parts
 from engine.draft import ModelDrafter, NgramDrafter
-from engine.generate import GenerationRequest, SpeculationOptions, SpeculativeEngine
+from engine.requests import GenerationRequest, SpeculationOptions
+from engine.generate import SpeculativeEngine
 from engine.paged import BlockPool, ForwardItem, PagedModel, PagedSequence, PoolExhausted, chain_item
 from engine.sampling import SamplingParams
 from engine.target import TargetModel
@@ -275,10 +276,10 @@ def test_measure_curve_stops_past_the_limit_and_keeps_the_faster_reference():
 
 def test_tree_budget_trims_the_schedule_not_the_drawn_tree():
     """A budget of 4 nodes keeps the first levels of the expansion (decided before drafting)."""
-    from engine.generate import plan_proposers
+    from engine.step import plan_proposers
 
     plan = plan_proposers(("ssm",), (True,), SpeculationOptions(expansion=(2, 2, 1), max_tree_nodes=4))
-    assert plan[0][1].schedule == (2,)  # 1 + 2 nodes; a second level would make 7
+    assert plan[0].spec.schedule == (2,)  # 1 + 2 nodes; a second level would make 7
 
 
 NGRAM_LIMITS = [  # (max_nodes, expected tree tokens): continuations [[7, 9, 5]] and [[9, ...]]

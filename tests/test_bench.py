@@ -21,7 +21,7 @@ from cluster.bench import (BenchSettings, LocalRunner, Proposers, accepted_lengt
                            parse_method, run_bench)
 from cluster.cli import main as cli_main
 from cluster.datasets import DatasetUnavailable, Prompt, iter_json_array, jsonl_prompts, load_workload, write_jsonl
-from engine.generate import SpeculationOptions
+from engine.requests import SpeculationOptions
 from engine.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent

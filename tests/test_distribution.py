@@ -29,7 +29,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.draft import DraftSpec, ModelDrafter, NgramDrafter, Proposal, _Builder
-from engine.generate import GenerationRequest, SpeculationOptions, SpeculativeEngine
+from engine.requests import GenerationRequest, SpeculationOptions
+from engine.generate import SpeculativeEngine
 from engine.merge import merge
 from engine.sampling import SamplingParams, make_generator, warp
 from engine.target import TargetModel
@@ -582,6 +583,7 @@ def test_cli_generate_sampling_flags(tmp_path, capsys, monkeypatch):
         "ssms:\n  - {name: tiny-ssm, source: tiny-ssm}\nngram: null\n"
         "speculation: {mode: tree, expansion: [2, 2], max_tree_nodes: 16}\ndefaults: {max_new_tokens: 8}\n"
     )
+    capsys.readouterr()  # save_pretrained may import DeepSpeed (through accelerate), which logs to stdout
 
     def generate(*flags: str) -> dict:
         argv = ["generate", "--config", str(config), "--prompt", "w1 w5 w9", "--json", *flags]

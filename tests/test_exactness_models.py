@@ -6,7 +6,7 @@ import pytest
 
 from cluster.build import build_engine
 from settings.config import EngineConfig
-from engine.generate import GenerationRequest, SpeculationOptions
+from engine.requests import GenerationRequest, SpeculationOptions
 from tests.tiny_models import reference_greedy
 
 SMOL_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.draft import ModelDrafter, NgramDrafter
-from engine.generate import GenerationRequest, SpeculationOptions, SpeculativeEngine
+from engine.requests import GenerationRequest, SpeculationOptions
+from engine.generate import SpeculativeEngine
 from engine.target import TargetModel
 from tests.tiny_models import IdTokenizer, reference_greedy, tiny_model
 

@@ -71,7 +71,7 @@ def fake_metrics() -> ServingMetrics:
 
 
 def test_record_counts_a_request_from_its_stats():
-    from engine.generate import GenerationStats, StepUpdate
+    from engine.requests import GenerationStats, StepUpdate
 
     stats = GenerationStats(mode="tree", target_steps=5, new_tokens=12, draft_tokens=30,
                             accepted_per_proposer={"ssm-a": 5, "ngram": 2}, accepted_per_depth=[4, 3, 0])

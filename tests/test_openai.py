@@ -117,7 +117,7 @@ def engine_result(engine, args, prompt=None, messages=None, max_new_tokens=32, s
     """The in-process engine's greedy answer with the server's speculation options."""
     from cluster.build import speculation_options
     from settings.config import EngineConfig
-    from engine.generate import GenerationRequest
+    from engine.requests import GenerationRequest
     from engine.sampling import SamplingParams
 
     tok = engine.tokenizer

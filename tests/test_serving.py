@@ -33,7 +33,7 @@ def local_result(engine, config_args, prompt=None, messages=(), max_new_tokens=2
     """The in-process engine's answer to the request the server gets."""
     from cluster.build import speculation_options
     from settings.config import EngineConfig
-    from engine.generate import GenerationRequest, SpeculationOptions
+    from engine.requests import GenerationRequest, SpeculationOptions
     from engine.sampling import SamplingParams
 
     tok = engine.tokenizer

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from engine.generate import GenerationRequest, SpeculationOptions
+from engine.requests import GenerationRequest, SpeculationOptions
 from engine.tree import TokenTree
 from serving_fixtures import (  # noqa: F401  (fixtures)
     _SESSION, engine_args, ray_session, serving, tiny_args, tiny_models)

@@ -10,10 +10,10 @@ from transformers import DynamicCache
 
 from engine import kv
 from engine.draft import Draws, Proposal
-from engine.generate import take_new_tokens
-from engine.merge import fit_schedule, merge
-from engine.tree import (TokenTree, ancestor_mask, attention_bias, children, depths, dfs_order, path_to,
-                         positions)
+from engine.step import take_new_tokens
+from engine.merge import merge
+from engine.tree import (TokenTree, ancestor_mask, attention_bias, children, depths, dfs_order, fit_schedule,
+                         merged_nodes, path_to, positions, schedule_nodes)
 from engine.verify import verify_greedy
 
 
@@ -107,10 +107,23 @@ def test_keep_path_equals_gather(prefix, nodes, path):
 
 @pytest.mark.parametrize(
     "schedule,budget,expected",
-    [((3, 2, 1, 1), 12, (3, 2)), ((3, 2, 1, 1), 100, (3, 2, 1, 1)), ((4,), 3, ()), ((1,) * 6, 4, (1,) * 4)],
+    [((3, 2, 1, 1), 12, (3, 2)), ((3, 2, 1, 1), 22, (3, 2, 1, 1)), ((3, 2, 1, 1), 21, (3, 2, 1)), ((4,), 4, ()),
+     ((4,), 5, (4,)), ((1,) * 6, 4, (1,) * 3), ((2, 2), 1, ())],
 )
 def test_fit_schedule(schedule, budget, expected):
+    """Tree sizes count the root: (3, 2, 1, 1) grows 1 + 3 + 6 + 6 + 6 = 22 nodes."""
     assert fit_schedule(schedule, budget) == expected
+    assert schedule_nodes(expected) <= budget
+
+
+@pytest.mark.parametrize("schedule,nodes", [((), 1), ((2,), 3), ((2, 2, 1), 11), ((3, 2, 1, 1), 22)])
+def test_schedule_nodes(schedule, nodes):
+    assert schedule_nodes(schedule) == nodes
+
+
+@pytest.mark.parametrize("proposers,max_nodes,bound", [(0, 64, 1), (1, 7, 7), (3, 7, 19), (2, 1, 1)])
+def test_merged_nodes(proposers, max_nodes, bound):
+    assert merged_nodes(proposers, max_nodes) == bound
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,134 @@
+"""The one speculative step (engine.step): plan, tree size and admission, outcome, drivers, resync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from actors.common import NeedsResync, sync_history
+from actors.merge import MergeActor
+from engine.draft import CHILDREN_RULES, ModelDrafter, NgramDrafter
+from engine.requests import SpeculationOptions
+from engine.sampling import SamplingParams, make_generator
+from engine.step import (Assignment, Drafted, draft_with, merge_drafts, plan_proposers, run_sync, step_outcome,
+                         tree_reservation)
+from engine.tree import TokenTree, schedule_nodes
+from engine.verify import Verdict
+from settings.config import NgramConfig
+from tests.tiny_models import tiny_model
+
+VOCAB = 61
+PROMPT = [5, 6, 7, 5, 6, 7, 5, 6, 8, 5, 6, 7, 5, 6]  # repeats: the n-gram proposer finds continuations
+
+
+@pytest.fixture(scope="module")
+def drafters():
+    torch.set_num_threads(2)
+    ssms = [ModelDrafter(tiny_model("llama", VOCAB, layers=1, seed=s), s, f"ssm{s}") for s in (0, 1)]
+    return ssms + [NgramDrafter(2, "ngram", max_ngram=2, max_tokens=6, max_matches=3)]
+
+
+NAMES, NEURAL = ("ssm0", "ssm1", "ngram"), (True, True, False)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schedule=st.lists(st.integers(1, 3), min_size=1, max_size=4), max_nodes=st.integers(1, 40),
+       mode=st.sampled_from(("tree", "sequence", "incremental")), children=st.sampled_from(CHILDREN_RULES),
+       temperature=st.sampled_from((0.0, 0.9)), confidence=st.sampled_from((0.0, 0.05)),
+       proposers=st.sampled_from((None, ("ssm0",), ("ssm1", "ngram"))))
+def test_admission_never_under_reserves(drafters, schedule, max_nodes, mode, children, temperature, confidence,
+                                        proposers):
+    """Whatever the schedule, rule and proposers, the merged tree fits what admission reserves."""
+    options = SpeculationOptions(mode, tuple(schedule), sequence_depth=len(schedule) + 1, children=children,
+                                 proposers=proposers, max_tree_nodes=max_nodes, min_confidence=confidence)
+    sampling = SamplingParams(temperature=temperature, seed=3)
+    plan = plan_proposers(NAMES, NEURAL, options, sampling)
+    drafts = [draft_with(drafters[a.proposer], drafters[a.proposer].new_state(), PROMPT, a.spec, a.generator())
+              for a in plan]
+    for assignment, drafted in zip(plan, drafts):
+        assert drafted.proposal.tree.size <= max_nodes  # each proposer's tree, root included
+        assert drafted.proposal.tree.size <= schedule_nodes(assignment.spec.schedule) or not NEURAL[assignment.proposer]
+    assert merge_drafts(drafts, PROMPT[-1], 0.0).proposal.tree.size <= tree_reservation(plan)
+
+
+PLANS = [  # (mode, proposers, expected (proposer, schedule) pairs in proposer order)
+    ("tree", None, [(0, (2, 2, 1)), (1, (2, 2, 1)), (2, (2, 2, 1))]),
+    ("tree", ("ngram", "ssm0"), [(0, (2, 2, 1)), (2, (2, 2, 1))]),
+    ("sequence", ("ngram", "ssm1"), [(1, (1, 1, 1))]),
+    ("incremental", None, []),
+]
+
+
+@pytest.mark.parametrize("mode,proposers,expected", PLANS)
+def test_plan_is_in_proposer_order_with_one_stream_each(mode, proposers, expected):
+    options = SpeculationOptions(mode, (2, 2, 1), sequence_depth=3, proposers=proposers)
+    plan = plan_proposers(NAMES, NEURAL, options, SamplingParams(temperature=1.0, seed=11))
+    assert [(a.proposer, a.spec.schedule) for a in plan] == expected
+    for a in plan:  # stream i + 1 for proposer i, the target has stream 0
+        assert torch.equal(a.generator().get_state(), make_generator(11, a.proposer + 1).get_state())
+
+
+def test_step_outcome_carries_what_statistics_need():
+    """Tree r->a->b, r->c; a drawn by proposers 0 and 2, b by 0: accepted a, b, then bonus 9."""
+    from engine.draft import Draws, Proposal
+
+    tree = TokenTree(torch.tensor([1, 10, 11, 12]), torch.tensor([-1, 0, 1, 0]))
+    draws = Draws(torch.tensor([1, 2, 3, 1]), torch.tensor([0, 0, 1, 2]), None, torch.ones(4, dtype=torch.bool))
+    outcome = step_outcome(Drafted(Proposal(tree, draws), 3.0, 1.0), Verdict((0, 1, 2), 9, True), 5.0)
+    assert outcome.tokens == (10, 11, 9)
+    assert outcome.accepted_depths == (1, 2)
+    assert outcome.accepted_by == ((0, 2), (0,))
+    assert (outcome.draft_tokens, outcome.draft_ms, outcome.merge_ms, outcome.verify_ms) == (3, 3.0, 1.0, 5.0)
+
+
+def test_run_sync_refuses_a_coroutine_that_suspends():
+    import asyncio
+
+    async def returns():
+        return 7
+
+    async def suspends():
+        await asyncio.sleep(0)
+
+    assert run_sync(returns()) == 7
+    with pytest.raises(RuntimeError, match="suspended"):
+        run_sync(suspends())
+
+
+HISTORIES = [  # (history, start, new, expected or None for NeedsResync)
+    ([5, 6], 2, [7], [5, 6, 7]),
+    ([5, 6], 0, [1, 2, 3], [1, 2, 3]),  # a full resync replaces
+    ([5, 6, 7], 2, [9], [5, 6, 9]),  # a repeated call overwrites from its offset
+    ([], 2, [7], None),  # the actor lost the start: NeedsResync
+]
+
+
+@pytest.mark.parametrize("history,start,new,expected", HISTORIES)
+def test_sync_history(history, start, new, expected):
+    history = list(history)
+    if expected is None:
+        with pytest.raises(NeedsResync):
+            sync_history(history, start, new)
+    else:
+        sync_history(history, start, new)
+        assert history == expected
+
+
+def test_merge_actor_keeps_plan_order_and_asks_for_a_resync():
+    """The n-gram proposal takes its place in proposer order, not 'last'; deltas extend history."""
+    from engine.draft import DraftSpec
+
+    actor = MergeActor(NgramConfig(max_ngram=2, max_tokens=3), ngram_index=0, torch_threads=1, request_ttl_s=60)
+    ssm = NgramDrafter(1, "other", max_ngram=1, max_tokens=2)  # stands in for an SSM's draft (proposer 1)
+    spec = DraftSpec((1,), max_nodes=8)
+    plan = (Assignment(0, spec), Assignment(1, spec))
+    with pytest.raises(NeedsResync):
+        actor.merge("r", 5, [1], plan, Drafted(ssm.draft(None, PROMPT, spec, None)))
+    merged = actor.merge("r", 0, PROMPT[:-2], plan, Drafted(ssm.draft(None, PROMPT[:-2], spec, None)))
+    assert merged.proposal.draws.proposer.tolist()[0] == 0  # the n-gram's draws come first
+    merged = actor.merge("r", len(PROMPT) - 2, PROMPT[-2:], plan, Drafted(ssm.draft(None, PROMPT, spec, None)))
+    expected = NgramDrafter(0, max_ngram=2, max_tokens=3).draft(None, PROMPT, spec, None).tree.size
+    assert merged.proposal.tree.size >= expected  # the n-gram saw the whole history
+    assert actor.release("r") and actor.merge("r", 0, PROMPT, plan, None) is None
