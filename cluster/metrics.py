@@ -77,6 +77,11 @@ SPECS = {spec.name: spec for spec in (
                "Accepted draft tokens by proposer (an SSM or the n-gram proposer); a token proposed by "
                "several proposers credits each of them.", ("ssm",)),
     MetricSpec("specinfer:target_steps", COUNTER, "Target model forward passes, the prefill included."),
+    MetricSpec("specinfer:step_hop_seconds", COUNTER,
+               "Seconds of the verify steps' wall time by hop: draft (the slowest proposer, inside its actor), "
+               "merge, verify (forward, verification and commit inside the verifier), transport (the rest: "
+               "actor calls, scheduling, serialisation). Divide by specinfer:target_steps for a per-step profile.",
+               ("hop",)),
     MetricSpec("specinfer:tokens_per_step", HISTOGRAM,
                "Per request: generated tokens / target steps (1.0 without speculation).",
                boundaries=TOKENS_PER_STEP_BUCKETS),
@@ -181,6 +186,8 @@ class ServingMetrics:
             _inc(m["specinfer:spec_decode_num_accepted_tokens_per_pos"], count, {"position": str(position)})
         for ssm, count in sorted(stats.accepted_per_proposer.items()):
             _inc(m["specinfer:spec_decode_num_accepted_tokens_per_ssm"], count, {"ssm": ssm})
+        for hop, ms in stats.hop_ms.items():
+            _inc(m["specinfer:step_hop_seconds"], ms / 1e3, {"hop": hop})
         if o.status != "OK":
             return
         m["specinfer:tokens_per_step"].observe(stats.tokens_per_step)

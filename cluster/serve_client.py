@@ -46,7 +46,8 @@ def stats_dict(stats: pb.GenerationStats) -> dict:
     fields = ("mode", "target_steps", "new_tokens", "tokens_per_step", "ms_per_token", "draft_ms", "verify_ms",
               "total_ms", "draft_tokens", "accepted_tokens")
     return {**{name: getattr(stats, name) for name in fields},
-            "accepted_per_ssm": dict(stats.accepted_per_ssm), "accepted_per_depth": list(stats.accepted_per_depth)}
+            "accepted_per_ssm": dict(stats.accepted_per_ssm), "accepted_per_depth": list(stats.accepted_per_depth),
+            "hop_ms": dict(stats.hop_ms)}
 
 
 def response_dict(response: pb.GenerateResponse) -> dict:

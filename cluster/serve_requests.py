@@ -150,7 +150,7 @@ def stats_message(stats: GenerationStats) -> pb.GenerationStats:
         tokens_per_step=stats.tokens_per_step, ms_per_token=stats.ms_per_token, draft_ms=stats.draft_ms,
         verify_ms=stats.verify_ms, total_ms=stats.total_ms, draft_tokens=stats.draft_tokens,
         accepted_tokens=stats.accepted_tokens, accepted_per_ssm=dict(stats.accepted_per_proposer),
-        accepted_per_depth=list(stats.accepted_per_depth))
+        accepted_per_depth=list(stats.accepted_per_depth), hop_ms=dict(stats.hop_ms))
 
 
 def finish_reason(reason: str | None) -> int:

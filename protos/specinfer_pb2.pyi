@@ -85,7 +85,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("mode", "target_steps", "new_tokens", "tokens_per_step", "ms_per_token", "draft_ms", "verify_ms", "total_ms", "draft_tokens", "accepted_tokens", "accepted_per_ssm", "accepted_per_depth")
+    __slots__ = ("mode", "target_steps", "new_tokens", "tokens_per_step", "ms_per_token", "draft_ms", "verify_ms", "total_ms", "draft_tokens", "accepted_tokens", "accepted_per_ssm", "accepted_per_depth", "hop_ms")
     class AcceptedPerSsmEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,13 @@ class GenerationStats(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class HopMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MODE_FIELD_NUMBER: _ClassVar[int]
     TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +112,7 @@ class GenerationStats(_message.Message):
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_SSM_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    HOP_MS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     target_steps: int
     new_tokens: int
@@ -117,7 +125,8 @@ class GenerationStats(_message.Message):
     accepted_tokens: int
     accepted_per_ssm: _containers.ScalarMap[str, int]
     accepted_per_depth: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, mode: _Optional[str] = ..., target_steps: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., ms_per_token: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_ssm: _Optional[_Mapping[str, int]] = ..., accepted_per_depth: _Optional[_Iterable[int]] = ...) -> None: ...
+    hop_ms: _containers.ScalarMap[str, float]
+    def __init__(self, mode: _Optional[str] = ..., target_steps: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., ms_per_token: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_ssm: _Optional[_Mapping[str, int]] = ..., accepted_per_depth: _Optional[_Iterable[int]] = ..., hop_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")

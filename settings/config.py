@@ -49,7 +49,7 @@ class SpeculationConfig(Strict):
     expansion: list[int] = Field(default_factory=lambda: [2, 2, 1, 1])
     sequence_depth: int = Field(default=4, ge=1, le=32)
     children: Literal["top_k", "sampled", "sampled_without_replacement"] = "top_k"
-    max_tree_nodes: int = Field(default=64, ge=1, le=1024)
+    max_tree_nodes: int = Field(default=64, ge=1, le=1024, description="nodes per proposer's tree, root included")
     min_confidence: float = Field(default=0.0, ge=0.0, le=1.0, description="dynamic tree threshold")
 
     @field_validator("expansion")

@@ -338,10 +338,11 @@ def test_abandoned_state_is_swept(serving, ingress):  # noqa: F811
 
     from engine.draft import DraftSpec
     from engine.sampling import SamplingParams
+    from engine.step import Assignment
 
     actors = ingress.actors.remote().result()
     ssm, verifier = actors["ssm/ssm-a"], actors["verifier"]
-    assert ray.get(ssm.draft.remote("abandoned", [1, 2, 3], DraftSpec((2,)), None)) is not None
+    assert ray.get(ssm.draft.remote("abandoned", 0, [1, 2, 3], Assignment(0, DraftSpec((2,))))) is not None
     assert ray.get(verifier.prefill.remote("abandoned", [1, 2, 3], SamplingParams())) is not None
     assert ray.get([ssm.num_requests.remote(), verifier.num_requests.remote()]) == [1, 1]
     assert ray.get(ssm.sweep.remote()) == []  # fresh: kept under the configured TTL
