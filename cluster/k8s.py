@@ -28,7 +28,7 @@ from settings.config import APP_NAME, EngineConfig, engine_section, read_yaml
 
 from .k8s_overlay import KubernetesOverlay, Overlay
 from .k8s_pods import (ALL_INTERFACES, GRPC_PORT, GRPC_PORT_NAME, SERVE_PORT, SERVE_PORT_NAME, head_group,
-                       worker_group)
+                       object_labels, worker_group)
 
 DEFAULT_SERVE_CONFIG = "configs/serve.yaml"
 DEFAULT_OVERLAY = "k8s/overlay.yaml"
@@ -183,8 +183,7 @@ def serve_service(kube: KubernetesOverlay) -> dict:
               "appProtocol": "http"},
              {"name": GRPC_PORT_NAME, "port": GRPC_PORT, "targetPort": GRPC_PORT_NAME, "protocol": "TCP",
               "appProtocol": "kubernetes.io/h2c"}]
-    labels = {**kube.labels, "app.kubernetes.io/instance": kube.name, "app.kubernetes.io/part-of": APP_NAME}
-    return {"metadata": {"labels": labels}, "spec": {"type": "ClusterIP", "ports": ports}}
+    return {"metadata": {"labels": object_labels(kube)}, "spec": {"type": "ClusterIP", "ports": ports}}
 
 
 def gcs_fault_tolerance(kube: KubernetesOverlay) -> dict | None:
@@ -205,7 +204,7 @@ def build_rayservice(serve_config: dict, engine: EngineConfig, kube: KubernetesO
     metadata: dict[str, Any] = {"name": kube.name}
     if kube.namespace:
         metadata["namespace"] = kube.namespace
-    metadata["labels"] = {**kube.labels, "app.kubernetes.io/instance": kube.name, "app.kubernetes.io/part-of": APP_NAME}
+    metadata["labels"] = object_labels(kube)
     cluster: dict[str, Any] = {"rayVersion": kube.ray_version, "enableInTreeAutoscaling": False}
     ft = gcs_fault_tolerance(kube)
     if ft:

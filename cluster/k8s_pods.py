@@ -28,10 +28,14 @@ RAY_GID = 100  # its primary group `users`
 AUTH_TOKEN_ENV = "SPECINFER_AUTH_TOKEN"  # the server-side check is the auth work's; this wires the Secret
 
 
+def object_labels(kube: KubernetesOverlay) -> dict[str, str]:
+    """Labels of everything rendered; k8s/networkpolicy.yaml selects the Ray pods by the last two."""
+    return {**kube.labels, "app.kubernetes.io/instance": kube.name, "app.kubernetes.io/part-of": APP_NAME}
+
+
 def pod_labels(kube: KubernetesOverlay, component: str) -> dict[str, str]:
     """Labels of the Ray pods. app.kubernetes.io/name stays KubeRay's: its head Service selects on it."""
-    return {**kube.labels, "app.kubernetes.io/instance": kube.name, "app.kubernetes.io/part-of": APP_NAME,
-            "app.kubernetes.io/component": component}
+    return {**object_labels(kube), "app.kubernetes.io/component": component}
 
 
 def _port(name: str, number: int) -> dict:
@@ -120,7 +124,8 @@ def fetch_container(kube: KubernetesOverlay, names: list[str]) -> dict:
 def worker_group(kube: KubernetesOverlay, fetch_names: list[str]) -> dict:
     """The GPU worker group; ``fetch_names`` are the models the initContainer fetches (with models.fetch)."""
     models, worker = kube.models, kube.worker
-    container = _container(kube, "ray-worker", _resources(worker.cpu, worker.memory, {worker.gpu_resource: str(worker.gpus)}),
+    resources = _resources(worker.cpu, worker.memory, {worker.gpu_resource: str(worker.gpus)})
+    container = _container(kube, "ray-worker", resources,
                            ports=[_port(SERVE_PORT_NAME, SERVE_PORT), _port(GRPC_PORT_NAME, GRPC_PORT)],
                            mounts=[{"name": "models", "mountPath": models.mount_path, "readOnly": True}])
     init = [fetch_container(kube, fetch_names)] if models.fetch else None

@@ -484,9 +484,9 @@ def test_network_policy_keeps_the_dashboard_inside():
     policy = yaml.safe_load(NETWORK_POLICY.read_text())
     rayservice = load_rayservice()
     selected = policy["spec"]["podSelector"]["matchLabels"]
-    for spec_labels in (g["template"]["metadata"]["labels"] for g in [
-            rayservice["spec"]["rayClusterConfig"]["headGroupSpec"], *rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]]):
-        assert selected.items() <= spec_labels.items()  # every Ray pod is covered
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        assert selected.items() <= group["template"]["metadata"]["labels"].items()  # every Ray pod is covered
     assert selected["app.kubernetes.io/instance"] == rayservice["metadata"]["name"]
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     assert dashboard_exposures(policy, selected) == []
