@@ -12,11 +12,22 @@ ARG TORCH_VERSION=2.13.0
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" \
  && python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 'CPU-only torch in the serving image')"
 
-# This package, not editable: engine, actors, cluster and protos with the committed gRPC stubs
-# (protos/specinfer_pb2*.py; the Serve config imports protos.specinfer_pb2_grpc). The source is
-# removed after the install so that the installed package is the only copy on sys.path.
+# The package's dependencies in a layer of their own, keyed on pyproject.toml only: a source change
+# does not reinstall them. [project].dependencies only: the test and bench extras (pytest, HumanEval,
+# ShareGPT, matplotlib) stay out of the serving image. torch is already satisfied by the CUDA build.
+COPY --chown=ray:users pyproject.toml /tmp/specinfer-deps/pyproject.toml
+RUN python -c "import tomllib; deps = tomllib.load(open('/tmp/specinfer-deps/pyproject.toml', 'rb'))['project']['dependencies']; print(*deps, sep='\n')" \
+      > /tmp/specinfer-deps/requirements.txt \
+ && pip install --no-cache-dir -r /tmp/specinfer-deps/requirements.txt \
+ && rm -rf /tmp/specinfer-deps \
+ && python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 'the dependencies replaced the CUDA torch')"
+
+# This package, not editable and without dependencies (installed above): engine, actors, cluster,
+# settings and protos with the committed gRPC stubs (protos/specinfer_pb2*.py; the Serve config imports
+# protos.specinfer_pb2_grpc). The source is removed after the install so that the installed package
+# is the only copy on sys.path. The imports below fail the build if the dependency layer misses one.
 COPY --chown=ray:users . /tmp/specinfer-src
-RUN pip install --no-cache-dir /tmp/specinfer-src \
+RUN pip install --no-cache-dir --no-deps /tmp/specinfer-src \
  && mkdir -p /home/ray/specinfer \
  && cp -r /tmp/specinfer-src/configs /home/ray/specinfer/configs \
  && rm -rf /tmp/specinfer-src \

@@ -27,7 +27,10 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("bench/load_plot.py needs matplotlib: pip install 'specinfer[bench]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

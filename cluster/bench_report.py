@@ -140,7 +140,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        logger.warning("matplotlib is not installed: no plots (pip install matplotlib)")
+        logger.warning("matplotlib is not installed: no plots (pip install 'specinfer[bench]')")
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

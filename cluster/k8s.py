@@ -3,9 +3,10 @@
 The KubeRay ``RayService`` is generated, never edited by hand. Its ``serveConfigV2`` is
 ``configs/serve.yaml`` with the ``serve`` section of ``k8s/overlay.yaml`` deep-merged into it
 (GPUs for the model actors, ``models_dir`` on the volume, listening on all interfaces); the
-RayCluster around it comes from the overlay's ``kubernetes`` section (image, Ray version, pod
-sizes, the model volume). Everything here is a pure function of those two mappings, so the
-committed manifest can be checked for staleness (``--check``, tests/test_k8s.py).
+RayCluster around it comes from the overlay's ``kubernetes`` section (``cluster.k8s_overlay``:
+image, Ray version, pod sizes, the model volume, upgrade strategy, GCS fault tolerance, the auth
+Secret) and its pod groups from ``cluster.k8s_pods``. Everything here is a pure function of those
+two mappings, so the committed manifest can be checked for staleness (``--check``, tests/test_k8s.py).
 
 Merge rules (``deep_merge``): mappings merge key by key; an overlay value ``null`` removes the
 key; a list of mappings that all have a ``name`` (Serve ``applications``, ``ssms``) may be
@@ -19,22 +20,19 @@ import copy
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BeforeValidator, Field, model_validator
 
-from settings.config import APP_NAME, EngineConfig, Strict, engine_section, read_yaml
+from settings.config import APP_NAME, EngineConfig, engine_section, read_yaml
+
+from .k8s_overlay import KubernetesOverlay, Overlay
+from .k8s_pods import (ALL_INTERFACES, GRPC_PORT, GRPC_PORT_NAME, SERVE_PORT, SERVE_PORT_NAME, head_group,
+                       object_labels, worker_group)
 
 DEFAULT_SERVE_CONFIG = "configs/serve.yaml"
 DEFAULT_OVERLAY = "k8s/overlay.yaml"
 DEFAULT_OUT = "k8s/rayservice.yaml"
-
-SERVE_PORT = 8000  # Serve's HTTP proxy: KubeRay's readiness probe checks /-/healthz on the port named "serve"
-GRPC_PORT = 9000  # Serve's gRPC proxy: specinfer.v1.SpecInfer
-SERVE_PORT_NAME, GRPC_PORT_NAME = "serve", "serve-grpc"
-ALL_INTERFACES = "0.0.0.0"
-RAY_GID = 100  # group `users` of the rayproject/ray images' user `ray`
 INGRESS_DEPLOYMENT = "SpecInferIngress"
 
 HEADER = (
@@ -42,69 +40,8 @@ HEADER = (
     "# Sources: configs/serve.yaml (Serve config) + k8s/overlay.yaml (Kubernetes overlay).\n"
     "# Regenerate: specinfer k8s render; check: specinfer k8s render --check (tests/test_k8s.py too).\n"
 )
-
-Quantity = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, (int, float)) else v)]
-
-
-class ModelsVolume(Strict):
-    """The PersistentVolumeClaim holding the converted models (k8s/models-pvc.yaml)."""
-
-    claim_name: str = "specinfer-models"
-    mount_path: str = "/models"
-    # True: an initContainer in each worker pod runs `specinfer models fetch --cache-dir <mount_path>`
-    # (a no-op once filled). False: the volume is pre-filled (docs/kubernetes.md) and mounted read-only.
-    fetch: bool = True
-    fetch_cpu: Quantity = "2"
-    fetch_memory: Quantity = "12Gi"
-
-
-class HeadGroup(Strict):
-    """Ray head: GCS, dashboard, Serve controller and a proxy; no GPUs and no logical CPUs."""
-
-    cpu: Quantity = "2"
-    memory: Quantity = "8Gi"
-
-
-class WorkerGroup(Strict):
-    """GPU workers: the ingress replica, the verifier, the SSM and merge actors."""
-
-    group_name: str = "gpu"
-    replicas: int = Field(default=1, ge=0)
-    min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=1, ge=1)
-    cpu: Quantity = "8"
-    memory: Quantity = "32Gi"
-    gpus: int = Field(default=1, ge=0)
-    gpu_resource: str = "nvidia.com/gpu"
-    tolerate_gpu_taint: bool = True  # GPU node pools are commonly tainted <gpu_resource>:NoSchedule
-
-    @model_validator(mode="after")
-    def _bounds(self) -> "WorkerGroup":
-        if not self.min_replicas <= self.replicas <= self.max_replicas:
-            raise ValueError(f"worker: need min_replicas <= replicas <= max_replicas, got "
-                             f"{self.min_replicas} <= {self.replicas} <= {self.max_replicas}")
-        return self
-
-
-class KubernetesOverlay(Strict):
-    """The RayService/RayCluster-level settings (the overlay's ``kubernetes`` section)."""
-
-    name: str = APP_NAME
-    namespace: str | None = None
-    image: str
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    ray_version: str
-    labels: dict[str, str] = Field(default_factory=dict)
-    # Keep serving traffic off the head pod (GCS, dashboard); the worker pods' proxies serve it.
-    exclude_head_from_serve_service: bool = True
-    head: HeadGroup = HeadGroup()
-    worker: WorkerGroup = WorkerGroup()
-    models: ModelsVolume = ModelsVolume()
-
-
-class Overlay(Strict):
-    serve: dict[str, Any] = Field(default_factory=dict)
-    kubernetes: KubernetesOverlay
+__all__ = ["Overlay", "KubernetesOverlay", "deep_merge", "validate_serve_config", "check_fits", "render_manifest",
+           "render", "build_rayservice", "gpus_per_pipeline"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,91 +170,33 @@ def fetch_names(engine: EngineConfig) -> list[str]:
 # Building
 
 
-def pod_labels(kube: KubernetesOverlay, component: str) -> dict[str, str]:
-    """Labels of the Ray pods. app.kubernetes.io/name stays KubeRay's: its head Service selects on it."""
-    return {**kube.labels, "app.kubernetes.io/instance": kube.name, "app.kubernetes.io/part-of": APP_NAME,
-            "app.kubernetes.io/component": component}
+def serve_service(kube: KubernetesOverlay) -> dict:
+    """spec.serveService: KubeRay's <name>-serve-svc with our port definitions (appProtocol for gRPC).
+
+    KubeRay v1.7.0's BuildServeService (ray-operator/controllers/ray/common/service.go) takes the
+    head container's ports named "serve" or "serve-*" (isServingPort): HTTP 8000 and gRPC 9000
+    here; for a name it finds in serveService.spec.ports it uses that definition, drops any other
+    port listed there, replaces the selector with ray.io/cluster=<active cluster> and ray.io/serve=true,
+    and names the Service <RayService name>-serve-svc when metadata.name is unset.
+    """
+    ports = [{"name": SERVE_PORT_NAME, "port": SERVE_PORT, "targetPort": SERVE_PORT_NAME, "protocol": "TCP",
+              "appProtocol": "http"},
+             {"name": GRPC_PORT_NAME, "port": GRPC_PORT, "targetPort": GRPC_PORT_NAME, "protocol": "TCP",
+              "appProtocol": "kubernetes.io/h2c"}]
+    return {"metadata": {"labels": object_labels(kube)}, "spec": {"type": "ClusterIP", "ports": ports}}
 
 
-def serving_selector(kube: KubernetesOverlay) -> dict[str, str]:
-    """What k8s/service.yaml selects: this RayService's pods whose Serve proxy may take traffic."""
-    return {"app.kubernetes.io/instance": kube.name, "ray.io/serve": "true"}
-
-
-def _port(name: str, number: int) -> dict:
-    return {"name": name, "containerPort": number, "protocol": "TCP"}
-
-
-def _resources(cpu: str, memory: str, extra: dict | None = None) -> dict:
-    amounts = {"cpu": cpu, "memory": memory, **(extra or {})}
-    return {"limits": dict(amounts), "requests": dict(amounts)}
-
-
-def _env() -> list[dict]:
-    # Models load from the volume only; nothing reaches a model hub at run time.
-    return [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TOKENIZERS_PARALLELISM", "value": "false"}]
-
-
-def head_group(kube: KubernetesOverlay) -> dict:
-    container = {
-        "name": "ray-head",
-        "image": kube.image,
-        "imagePullPolicy": kube.image_pull_policy,
-        "ports": [_port("gcs-server", 6379), _port("dashboard", 8265), _port("client", 10001),
-                  _port(SERVE_PORT_NAME, SERVE_PORT), _port(GRPC_PORT_NAME, GRPC_PORT)],
-        "env": _env(),
-        "resources": _resources(kube.head.cpu, kube.head.memory),
-    }
-    return {
-        "serviceType": "ClusterIP",
-        # num-cpus 0: no replica or model actor is scheduled on the head (it mounts no model volume);
-        # the dashboard listens on the pod network, reachable only through the cluster-internal head Service.
-        "rayStartParams": {"dashboard-host": ALL_INTERFACES, "num-cpus": "0", "num-gpus": "0"},
-        "template": {"metadata": {"labels": pod_labels(kube, "ray-head")},
-                     "spec": {"containers": [container]}},
-    }
-
-
-def worker_group(engine: EngineConfig, kube: KubernetesOverlay) -> dict:
-    models, worker = kube.models, kube.worker
-    mount = {"name": "models", "mountPath": models.mount_path, "readOnly": True}
-    container = {
-        "name": "ray-worker",
-        "image": kube.image,
-        "imagePullPolicy": kube.image_pull_policy,
-        "ports": [_port(SERVE_PORT_NAME, SERVE_PORT), _port(GRPC_PORT_NAME, GRPC_PORT)],
-        "env": _env(),
-        "resources": _resources(worker.cpu, worker.memory, {worker.gpu_resource: str(worker.gpus)}),
-        "volumeMounts": [mount],
-    }
-    spec: dict[str, Any] = {}
-    if models.fetch:
-        spec["initContainers"] = [{
-            "name": "fetch-models",
-            "image": kube.image,
-            "imagePullPolicy": kube.image_pull_policy,
-            # Idempotent: a model whose directory holds the expected checksum marker is not touched.
-            "command": ["specinfer", "models", "fetch", "--cache-dir", models.mount_path, *fetch_names(engine)],
-            "env": _env(),
-            "resources": _resources(models.fetch_cpu, models.fetch_memory),
-            "volumeMounts": [{"name": "models", "mountPath": models.mount_path}],
-        }]
-    spec["containers"] = [container]
-    # The image runs as user `ray` (uid 1000, group users = 100): fsGroup makes a fresh volume writable
-    # for the fetch; OnRootMismatch skips the recursive chown of a filled volume on later mounts.
-    spec["securityContext"] = {"fsGroup": RAY_GID, "fsGroupChangePolicy": "OnRootMismatch"}
-    spec["volumes"] = [{"name": "models", "persistentVolumeClaim": {"claimName": models.claim_name,
-                                                                     "readOnly": not models.fetch}}]
-    if worker.tolerate_gpu_taint and worker.gpus:
-        spec["tolerations"] = [{"key": worker.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}]
-    return {
-        "groupName": worker.group_name,
-        "replicas": worker.replicas,
-        "minReplicas": worker.min_replicas,
-        "maxReplicas": worker.max_replicas,
-        "rayStartParams": {},
-        "template": {"metadata": {"labels": pod_labels(kube, "ray-worker")}, "spec": spec},
-    }
+def gcs_fault_tolerance(kube: KubernetesOverlay) -> dict | None:
+    """rayClusterConfig.gcsFaultToleranceOptions (KubeRay >= 1.3; not the legacy ray.io/ft-enabled annotation,
+    which v1.7.0's ValidateRayClusterSpec refuses alongside it)."""
+    ft = kube.gcs_fault_tolerance
+    if ft is None:
+        return None
+    options: dict[str, Any] = {"redisAddress": ft.redis_address}
+    if ft.redis_password:
+        ref = {"name": ft.redis_password.secret, "key": ft.redis_password.key}
+        options["redisPassword"] = {"valueFrom": {"secretKeyRef": ref}}
+    return options
 
 
 def build_rayservice(serve_config: dict, engine: EngineConfig, kube: KubernetesOverlay) -> dict:
@@ -325,22 +204,23 @@ def build_rayservice(serve_config: dict, engine: EngineConfig, kube: KubernetesO
     metadata: dict[str, Any] = {"name": kube.name}
     if kube.namespace:
         metadata["namespace"] = kube.namespace
-    metadata["labels"] = {**kube.labels, "app.kubernetes.io/instance": kube.name, "app.kubernetes.io/part-of": APP_NAME}
+    metadata["labels"] = object_labels(kube)
+    cluster: dict[str, Any] = {"rayVersion": kube.ray_version, "enableInTreeAutoscaling": False}
+    ft = gcs_fault_tolerance(kube)
+    if ft:
+        cluster["gcsFaultToleranceOptions"] = ft
+    cluster["headGroupSpec"] = head_group(kube)
+    cluster["workerGroupSpecs"] = [worker_group(kube, fetch_names(engine) if kube.models.fetch else [])]
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
         "metadata": metadata,
         "spec": {
-            # KubeRay's <name>-serve-svc carries only the port named "serve" (8000); gRPC (9000) is
-            # exposed by k8s/service.yaml. Neither carries the dashboard (8265) or the client port (10001).
+            "upgradeStrategy": {"type": kube.upgrade_strategy},
+            "serveService": serve_service(kube),
             "excludeHeadPodFromServeSvc": kube.exclude_head_from_serve_service,
             "serveConfigV2": dump_yaml(serve_config),
-            "rayClusterConfig": {
-                "rayVersion": kube.ray_version,
-                "enableInTreeAutoscaling": False,
-                "headGroupSpec": head_group(kube),
-                "workerGroupSpecs": [worker_group(engine, kube)],
-            },
+            "rayClusterConfig": cluster,
         },
     }
 
@@ -358,8 +238,9 @@ _NUMBER_LIKE = re.compile(r"^[0-9][0-9.]*$")
 
 def _represent_str(dumper: yaml.SafeDumper, value: str):
     # Literal blocks for multi-line text (serveConfigV2); double quotes for strings that read like
-    # numbers ("2.60.0", "0"), so that nobody mistakes them for numbers when editing by hand.
-    style = "|" if "\n" in value else '"' if _NUMBER_LIKE.match(value) else None
+    # numbers ("2.60.0", "0") or like Python's None (upgradeStrategy), so that nobody mistakes them for
+    # numbers or null when editing by hand.
+    style = "|" if "\n" in value else '"' if _NUMBER_LIKE.match(value) or value == "None" else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
 

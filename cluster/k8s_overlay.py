@@ -1,0 +1,152 @@
+"""The ``kubernetes`` section of k8s/overlay.yaml: what `specinfer k8s render` puts around serveConfigV2.
+
+Pure data models with their own cross-field checks; cluster.k8s renders them. The KubeRay
+behaviour each option relies on is cited from KubeRay v1.7.0's source in docs/kubernetes.md.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, field_validator, model_validator
+
+from settings.config import APP_NAME, Strict
+
+Quantity = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, (int, float)) else v)]
+AccessMode = Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany", "ReadOnlyMany"]
+SINGLE_NODE_MODES = ("ReadWriteOnce", "ReadWriteOncePod")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _dns_name(value: str, what: str) -> str:
+    """A Kubernetes object name (Secret, PVC): lower-case DNS label characters."""
+    if not (_DNS_LABEL.match(value) and len(value) <= 253):
+        raise ValueError(f"{what} {value!r} is not a valid Kubernetes name (lower-case letters, digits, '-')")
+    return value
+
+
+class ModelsVolume(Strict):
+    """The PersistentVolumeClaim holding the converted models (k8s/models-pvc.yaml)."""
+
+    claim_name: str = "specinfer-models"
+    # Must equal spec.accessModes[0] of k8s/models-pvc.yaml (tests/test_k8s.py checks it): the
+    # renderer refuses upgrade_strategy NewCluster on a volume only one node can mount.
+    access_mode: AccessMode = "ReadWriteOnce"
+    mount_path: str = "/models"
+    # True: an initContainer in each worker pod runs `specinfer models fetch --cache-dir <mount_path>`
+    # (a no-op once filled). False: the volume is pre-filled (docs/kubernetes.md) and mounted read-only.
+    fetch: bool = True
+    fetch_cpu: Quantity = "2"
+    fetch_memory: Quantity = "12Gi"
+
+    @model_validator(mode="after")
+    def _writable_for_fetch(self) -> "ModelsVolume":
+        if self.fetch and self.access_mode == "ReadOnlyMany":
+            raise ValueError("models: fetch: true writes the volume, but access_mode is ReadOnlyMany; pre-fill it "
+                             "and set fetch: false (docs/kubernetes.md)")
+        return self
+
+
+class HeadGroup(Strict):
+    """Ray head: GCS, dashboard, Serve controller and a proxy; no GPUs and no logical CPUs."""
+
+    cpu: Quantity = "2"
+    memory: Quantity = "8Gi"
+
+
+class WorkerGroup(Strict):
+    """GPU workers: the ingress replica, the verifier, the SSM and merge actors."""
+
+    group_name: str = "gpu"
+    replicas: int = Field(default=1, ge=0)
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=1, ge=1)
+    cpu: Quantity = "8"
+    memory: Quantity = "32Gi"
+    gpus: int = Field(default=1, ge=0)
+    gpu_resource: str = "nvidia.com/gpu"
+    tolerate_gpu_taint: bool = True  # GPU node pools are commonly tainted <gpu_resource>:NoSchedule
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "WorkerGroup":
+        if not self.min_replicas <= self.replicas <= self.max_replicas:
+            raise ValueError(f"worker: need min_replicas <= replicas <= max_replicas, got "
+                             f"{self.min_replicas} <= {self.replicas} <= {self.max_replicas}")
+        return self
+
+
+class SecretKey(Strict):
+    """A key of a Secret in the RayService's namespace."""
+
+    secret: str
+    key: str
+
+    @field_validator("secret")
+    @classmethod
+    def _secret_name(cls, value: str) -> str:
+        return _dns_name(value, "secret")
+
+
+class GcsFaultTolerance(Strict):
+    """Head-node fault tolerance: GCS state in an external Redis (rendered as gcsFaultToleranceOptions)."""
+
+    redis_address: str  # host:port of a Redis the head pod reaches, e.g. redis.specinfer.svc:6379
+    redis_password: SecretKey | None = None
+
+
+class AuthToken(Strict):
+    """The Secret whose key becomes SPECINFER_AUTH_TOKEN in the head and worker containers."""
+
+    secret: str = "specinfer-auth"
+    key: str = "token"
+
+    @field_validator("secret")
+    @classmethod
+    def _secret_name(cls, value: str) -> str:
+        return _dns_name(value, "auth.secret")
+
+
+class KubernetesOverlay(Strict):
+    """The RayService/RayCluster-level settings (the overlay's ``kubernetes`` section)."""
+
+    name: str = APP_NAME
+    namespace: str | None = None
+    image: str
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image_pull_secrets: list[str] = Field(default_factory=list)  # Secret names, in every pod spec
+    ray_version: str
+    labels: dict[str, str] = Field(default_factory=dict)
+    # spec.upgradeStrategy.type. None: a change under rayClusterConfig is not rolled out (delete and
+    # re-apply the RayService); NewCluster: blue/green, twice the GPUs and a volume both clusters can
+    # mount. NewClusterWithIncrementalUpgrade needs the Gateway API and is not offered (docs/kubernetes.md).
+    upgrade_strategy: Literal["None", "NewCluster"] = "None"
+    # Keep serving traffic off the head pod (GCS, dashboard); the worker pods' proxies serve it.
+    exclude_head_from_serve_service: bool = True
+    head: HeadGroup = HeadGroup()
+    worker: WorkerGroup = WorkerGroup()
+    models: ModelsVolume = ModelsVolume()
+    gcs_fault_tolerance: GcsFaultTolerance | None = None  # off by default
+    auth: AuthToken | None = None  # None: no token wired
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _pull_secrets(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"image_pull_secrets lists a name twice: {value}")
+        return [_dns_name(name, "image_pull_secrets entry") for name in value]
+
+    @model_validator(mode="after")
+    def _upgrade_fits_the_volume(self) -> "KubernetesOverlay":
+        if self.upgrade_strategy == "NewCluster" and self.models.access_mode in SINGLE_NODE_MODES:
+            raise ValueError(
+                f"upgrade_strategy NewCluster starts a second RayCluster whose GPU workers mount the same claim "
+                f"{self.models.claim_name!r}, but its access_mode is {self.models.access_mode}: a worker on another "
+                "node never starts. Use a ReadWriteMany (or pre-filled ReadOnlyMany) volume, or "
+                "upgrade_strategy: None (docs/kubernetes.md, 'Upgrades')")
+        return self
+
+
+class Overlay(Strict):
+    serve: dict[str, Any] = Field(default_factory=dict)
+    kubernetes: KubernetesOverlay

@@ -1,0 +1,144 @@
+"""The RayCluster's pod groups for `specinfer k8s render`: containers, security contexts, volumes.
+
+Every pod runs as the image's user ``ray`` (uid 1000, group ``users`` = 100: ``useradd ... --uid
+$RAY_UID --gid $RAY_GID`` with ``RAY_UID=1000 RAY_GID=100`` in ray-project/ray's
+docker/base-deps/Dockerfile, ``USER $RAY_UID``), never as root, with no privilege escalation,
+no capabilities and the runtime's default seccomp profile: the Pod Security Standards'
+"restricted" level. KubeRay copies the Ray container's securityContext into the init container it
+injects into worker pods (``wait-gcs-ready``; ray-operator/controllers/ray/common/pod.go in v1.7.0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from settings.config import APP_NAME
+
+from .k8s_overlay import KubernetesOverlay
+
+SERVE_PORT = 8000  # Serve's HTTP proxy: KubeRay's readiness probe checks /-/healthz on the port named "serve"
+GRPC_PORT = 9000  # Serve's gRPC proxy: specinfer.v1.SpecInfer
+DASHBOARD_PORT = 8265  # Ray dashboard and job submission: cluster-internal only (k8s/networkpolicy.yaml)
+# KubeRay's <name>-serve-svc takes the head container ports named "serve" or "serve-*"
+# (isServingPort in ray-operator/controllers/ray/common/service.go, v1.7.0).
+SERVE_PORT_NAME, GRPC_PORT_NAME = "serve", "serve-grpc"
+ALL_INTERFACES = "0.0.0.0"
+RAY_UID = 1000  # user `ray` of the rayproject/ray images (and of ours, built FROM one)
+RAY_GID = 100  # its primary group `users`
+AUTH_TOKEN_ENV = "SPECINFER_AUTH_TOKEN"  # the server-side check is the auth work's; this wires the Secret
+
+
+def object_labels(kube: KubernetesOverlay) -> dict[str, str]:
+    """Labels of everything rendered; k8s/networkpolicy.yaml selects the Ray pods by the last two."""
+    return {**kube.labels, "app.kubernetes.io/instance": kube.name, "app.kubernetes.io/part-of": APP_NAME}
+
+
+def pod_labels(kube: KubernetesOverlay, component: str) -> dict[str, str]:
+    """Labels of the Ray pods. app.kubernetes.io/name stays KubeRay's: its head Service selects on it."""
+    return {**object_labels(kube), "app.kubernetes.io/component": component}
+
+
+def _port(name: str, number: int) -> dict:
+    return {"name": name, "containerPort": number, "protocol": "TCP"}
+
+
+def _resources(cpu: str, memory: str, extra: dict | None = None) -> dict:
+    amounts = {"cpu": cpu, "memory": memory, **(extra or {})}
+    return {"limits": dict(amounts), "requests": dict(amounts)}
+
+
+def _env(kube: KubernetesOverlay, ray: bool) -> list[dict]:
+    """Models load from the volume only; nothing reaches a model hub at run time. Ray containers
+    (not the fetch initContainer) also get the auth token when the overlay names its Secret."""
+    env: list[dict] = [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TOKENIZERS_PARALLELISM", "value": "false"}]
+    if ray and kube.auth:
+        env.append({"name": AUTH_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": kube.auth.secret,
+                                                                            "key": kube.auth.key}}})
+    return env
+
+
+def container_security() -> dict:
+    # readOnlyRootFilesystem stays false: Ray writes its session directory under /tmp/ray, and torch,
+    # Triton and DeepSpeed write caches under /home/ray; an emptyDir for each is untested here.
+    return {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": False,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def pod_security() -> dict:
+    # fsGroup makes a fresh model volume writable for the fetch; OnRootMismatch skips the recursive
+    # chown of a filled volume on later mounts.
+    return {"runAsNonRoot": True, "runAsUser": RAY_UID, "runAsGroup": RAY_GID, "fsGroup": RAY_GID,
+            "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _container(kube: KubernetesOverlay, name: str, resources: dict, *, ray: bool = True, ports: list | None = None,
+               command: list[str] | None = None, mounts: list[dict] | None = None) -> dict:
+    container: dict[str, Any] = {"name": name, "image": kube.image, "imagePullPolicy": kube.image_pull_policy}
+    if command:
+        container["command"] = command
+    if ports:
+        container["ports"] = ports
+    container["env"] = _env(kube, ray)
+    container["resources"] = resources
+    if mounts:
+        container["volumeMounts"] = mounts
+    container["securityContext"] = container_security()
+    return container
+
+
+def _pod_spec(kube: KubernetesOverlay, containers: list[dict], init: list[dict] | None = None) -> dict:
+    spec: dict[str, Any] = {}
+    if init:
+        spec["initContainers"] = init
+    spec["containers"] = containers
+    spec["securityContext"] = pod_security()
+    if kube.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": name} for name in kube.image_pull_secrets]
+    return spec
+
+
+def head_group(kube: KubernetesOverlay) -> dict:
+    # KubeRay builds <name>-serve-svc from these ports: "serve" and "serve-grpc" must stay here even
+    # though the head takes no traffic (excludeHeadPodFromServeSvc).
+    ports = [_port("gcs-server", 6379), _port("dashboard", DASHBOARD_PORT), _port("client", 10001),
+             _port(SERVE_PORT_NAME, SERVE_PORT), _port(GRPC_PORT_NAME, GRPC_PORT)]
+    container = _container(kube, "ray-head", _resources(kube.head.cpu, kube.head.memory), ports=ports)
+    return {
+        "serviceType": "ClusterIP",
+        # num-cpus 0: no replica or model actor is scheduled on the head (it mounts no model volume);
+        # the dashboard listens on the pod network, reachable only as k8s/networkpolicy.yaml allows.
+        "rayStartParams": {"dashboard-host": ALL_INTERFACES, "num-cpus": "0", "num-gpus": "0"},
+        "template": {"metadata": {"labels": pod_labels(kube, "ray-head")},
+                     "spec": _pod_spec(kube, [container])},
+    }
+
+
+def fetch_container(kube: KubernetesOverlay, names: list[str]) -> dict:
+    """The initContainer that fills the model volume; idempotent (checksum markers)."""
+    models = kube.models
+    return _container(kube, "fetch-models", _resources(models.fetch_cpu, models.fetch_memory), ray=False,
+                      command=["specinfer", "models", "fetch", "--cache-dir", models.mount_path, *names],
+                      mounts=[{"name": "models", "mountPath": models.mount_path}])
+
+
+def worker_group(kube: KubernetesOverlay, fetch_names: list[str]) -> dict:
+    """The GPU worker group; ``fetch_names`` are the models the initContainer fetches (with models.fetch)."""
+    models, worker = kube.models, kube.worker
+    resources = _resources(worker.cpu, worker.memory, {worker.gpu_resource: str(worker.gpus)})
+    container = _container(kube, "ray-worker", resources,
+                           ports=[_port(SERVE_PORT_NAME, SERVE_PORT), _port(GRPC_PORT_NAME, GRPC_PORT)],
+                           mounts=[{"name": "models", "mountPath": models.mount_path, "readOnly": True}])
+    init = [fetch_container(kube, fetch_names)] if models.fetch else None
+    spec = _pod_spec(kube, [container], init)
+    spec["volumes"] = [{"name": "models", "persistentVolumeClaim": {"claimName": models.claim_name,
+                                                                     "readOnly": not models.fetch}}]
+    if worker.tolerate_gpu_taint and worker.gpus:
+        spec["tolerations"] = [{"key": worker.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}]
+    return {
+        "groupName": worker.group_name,
+        "replicas": worker.replicas,
+        "minReplicas": worker.min_replicas,
+        "maxReplicas": worker.max_replicas,
+        "rayStartParams": {},
+        "template": {"metadata": {"labels": pod_labels(kube, "ray-worker")}, "spec": spec},
+    }
