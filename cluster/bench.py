@@ -453,11 +453,11 @@ def load_tokenizer(config: EngineConfig):
     """The target's tokenizer alone (no weights): enough to build and key the workload."""
     from transformers import AutoTokenizer
 
-    from engine.models import _pretrained_args
+    from engine.models import pretrained_args
 
     from .build import model_spec
 
-    source, kwargs = _pretrained_args(model_spec(config, config.target))
+    source, kwargs = pretrained_args(model_spec(config, config.target))
     return AutoTokenizer.from_pretrained(source, **kwargs)
 
 
