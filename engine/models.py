@@ -38,7 +38,7 @@ class LoadedModel:
     tokenizer: object
 
 
-def _pretrained_args(spec: ModelSpec) -> tuple[str, dict]:
+def pretrained_args(spec: ModelSpec) -> tuple[str, dict]:
     """(path or id, keyword arguments) for from_pretrained, resolving a .gguf file path."""
     source = str(Path(spec.source).expanduser()) if not _looks_like_hub_id(spec.source) else spec.source
     kwargs: dict = {"trust_remote_code": spec.trust_remote_code}
@@ -77,7 +77,7 @@ def load_model(spec: ModelSpec, attn_implementation: str = "sdpa") -> LoadedMode
     """Load a causal LM and its tokenizer; check the architecture before loading weights."""
     if spec.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {spec.dtype!r}")
-    source, kwargs = _pretrained_args(spec)
+    source, kwargs = pretrained_args(spec)
     check_architecture(AutoConfig.from_pretrained(source, **kwargs), spec.name)
     logger.info("loading %s from %s (%s)", spec.name, spec.source, spec.dtype)
     model = AutoModelForCausalLM.from_pretrained(
@@ -98,7 +98,7 @@ class ModelHeader:
 
 def load_header(spec: ModelSpec) -> LoadedModel:
     """Config, generation config and tokenizer only (``model`` is a ModelHeader)."""
-    source, kwargs = _pretrained_args(spec)
+    source, kwargs = pretrained_args(spec)
     config = AutoConfig.from_pretrained(source, **kwargs)
     check_architecture(config, spec.name)
     try:

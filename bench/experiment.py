@@ -16,9 +16,12 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .bench import BenchSettings, LocalRunner, run_bench
 from settings.config import Dtype, EngineConfig, ModelConfig, NgramConfig, engine_section, read_yaml
-from .datasets import DEFAULT_MAX_PROMPT_TOKENS
+
+from .report import experiment_markdown
+from .run import BenchSettings, run_bench
+from .runners import LocalRunner
+from .workloads import DEFAULT_MAX_PROMPT_TOKENS
 
 
 class ExperimentConfig(BaseModel):
@@ -156,8 +159,6 @@ def run_experiment(path: str | Path, out: Path | None = None, dtype: str | None 
 
 def write_experiment(out: Path, path: Path, experiment: ExperimentConfig, config: EngineConfig,
                      rows: list[ExperimentRow]) -> None:
-    from .bench_report import experiment_markdown
-
     data = {"experiment": str(path), "dtype": config.dtype, "target": config.target.name,
             "config": experiment.model_dump(mode="json"), "rows": [asdict(r) for r in rows]}
     (out / "experiment.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")

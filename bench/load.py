@@ -1,4 +1,5 @@
-"""Load testing for `specinfer bench --via grpc ADDRESS --concurrency 1,2,4,8`.
+"""Load levels of `specinfer bench --via grpc ADDRESS --concurrency 1,2,4,8`: running them, storing
+them in ``load.jsonl`` and their figures.
 
 For each concurrency level C and each method, C worker threads, each with its own gRPC ``Client``
 (its own channel), keep C ``GenerateStream`` calls in flight: a worker takes the next request as
@@ -40,8 +41,10 @@ import numpy as np
 
 from engine.sampling import SamplingParams
 
-from .bench import BenchSettings, Method, grpc_request
-from .datasets import EncodedPrompt
+from .methods import Method
+from .rows import append_json_line
+from .runners import grpc_request
+from .workloads import EncodedPrompt
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +101,9 @@ class LoadPlan:
     max_new_tokens: int
     sampling: SamplingParams
     requests: int  # per level
+    concurrency: tuple[int, ...]  # the levels, run in ascending order
+    warmup_tokens: int = 16  # one unrecorded request per method before the first level; 0: none
+    label: str | None = None  # stored with the results
     timeout_s: float = 3600.0
 
 
@@ -127,7 +133,7 @@ def run_worker(plan: LoadPlan, jobs: queue.Queue, results: dict, start: threadin
     """Connect, wait for the level's start, then take jobs until none are left."""
     import grpc
 
-    from .serve_client import Client
+    from cluster.serve_client import Client
 
     with Client(plan.address) as client:
         try:
@@ -163,7 +169,7 @@ def run_level(plan: LoadPlan, method: Method, workload: Sequence[EncodedPrompt],
 
 def warm_up(plan: LoadPlan, methods: Sequence[Method], prompt: EncodedPrompt, tokens: int) -> None:
     """One short unrecorded request per method, one at a time."""
-    from .serve_client import Client
+    from cluster.serve_client import Client
 
     with Client(plan.address) as client:
         for method in methods:
@@ -187,26 +193,23 @@ class LevelStore:
             self.levels[level.key] = level
 
     def append(self, level: LoadLevel) -> None:
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(level.to_json()) + "\n")
+        append_json_line(self.path, level.to_json())
         self.levels[level.key] = level
 
 
-def run_load(settings: BenchSettings, methods: Sequence[Method], workload: Sequence[EncodedPrompt]) -> dict:
+def run_load(plan: LoadPlan, methods: Sequence[Method], workload: Sequence[EncodedPrompt], out: Path) -> dict:
     """Run the levels not yet in OUT/load.jsonl; return the results' ``load`` section."""
     from tqdm import tqdm
 
-    levels = sorted(settings.concurrency)
-    plan = LoadPlan(settings.via, settings.max_new_tokens, settings.sampling,
-                    settings.requests or max(len(workload), levels[-1]))
-    store = LevelStore(settings.out / "load.jsonl")
+    levels = sorted(plan.concurrency)
+    store = LevelStore(out / "load.jsonl")
     pending = [(c, m) for c in levels for m in methods if (m.spelling, c, plan.requests) not in store.levels]
-    if pending and settings.warmup_tokens:
-        warm_up(plan, list(dict.fromkeys(m for _, m in pending)), workload[0], settings.warmup_tokens)
+    if pending and plan.warmup_tokens:
+        warm_up(plan, list(dict.fromkeys(m for _, m in pending)), workload[0], plan.warmup_tokens)
     for concurrency, method in tqdm(pending, desc="load", unit="level", dynamic_ncols=True):
         store.append(run_level(plan, method, workload, concurrency))
     done = [store.levels[(m.spelling, c, plan.requests)] for m in methods for c in levels]
-    return load_summary(done, plan.requests, settings.label)
+    return load_summary(done, plan.requests, plan.label)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Load benchmark of issue 8: the default pair served on this machine, ShareGPT prompts,
 # concurrency 1, 2, 4, 8; tree and incremental with continuous batching, tree without it.
-#   bash bench/load.sh [OUT_ROOT]        (about 20 minutes on a 2-core CPU)
+#   bash bench/load_batching.sh [OUT_ROOT]        (about 20 minutes on a 2-core CPU)
 set -euo pipefail
 out=${1:-bench/out/load}
 prompts=${LOAD_PROMPTS:-8}

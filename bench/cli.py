@@ -1,4 +1,6 @@
-"""`specinfer bench` and `specinfer experiment`."""
+"""`specinfer bench` and `specinfer experiment`: their argument parsers and command functions.
+
+``cluster/cli.py`` registers them by importing this module when it builds the parser."""
 
 from __future__ import annotations
 
@@ -7,12 +9,14 @@ from pathlib import Path
 
 from engine.sampling import SamplingParams
 
+from .experiment import load_experiment, run_experiment
+from .methods import GREEDY_METHODS, SAMPLED_METHODS, SPELLINGS
+from .run import BenchSettings, run_bench
+
 DTYPES = ["float32", "bfloat16", "float16"]
 
 
 def add_parsers(subparsers) -> None:
-    from .bench import GREEDY_METHODS, SAMPLED_METHODS, SPELLINGS
-
     bench = subparsers.add_parser(
         "bench", help="compare decoding methods on a workload (resumable)",
         description="Run decoding methods interleaved prompt by prompt in one process; write OUT/rows.jsonl "
@@ -73,9 +77,7 @@ def concurrency_levels(text: str) -> tuple[int, ...]:
     return levels
 
 
-def bench_settings(args: argparse.Namespace):
-    from .bench import GREEDY_METHODS, SAMPLED_METHODS, BenchSettings
-
+def bench_settings(args: argparse.Namespace) -> BenchSettings:
     if args.via and args.via[0] != "grpc":
         raise ValueError(f"--via takes 'grpc ADDRESS', got {' '.join(args.via)!r}")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -90,8 +92,6 @@ def bench_settings(args: argparse.Namespace):
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    from .bench import run_bench
-
     try:
         settings = bench_settings(args)
     except ValueError as error:  # BenchSettings checks the options: an argparse error, exit code 2
@@ -104,8 +104,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def run_experiment_command(args: argparse.Namespace) -> int:
-    from .experiment import load_experiment, run_experiment
-
     overrides = {k: v for k, v in (("num_prompts", args.num_prompts), ("max_new_tokens", args.max_new_tokens),
                                    ("datasets", args.datasets.split(",") if args.datasets else None)) if v is not None}
     out = args.out or Path(load_experiment(args.config).out)

@@ -1,4 +1,4 @@
-"""Reports for `specinfer bench` and `specinfer experiment`: markdown tables and PNG plots.
+"""Reports for `specinfer bench` and `specinfer experiment`: results.json, markdown tables and PNG plots.
 
 Plots use matplotlib's Agg backend (no display needed); without matplotlib they are skipped with
 a warning and the markdown still lists every figure.
@@ -6,6 +6,7 @@ a warning and the markdown still lists every figure.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Sequence
@@ -103,6 +104,14 @@ def load_section(load: dict) -> list[str]:
             f"{load['ms_per_token_definition']}; TTFT: time to the first token, queueing included. Same tokens "
             "at every C: every request of one prompt got the same token ids at every level.", "",
             *load_table(load), "", *([f"Errors: {'; '.join(errors)}", ""] if errors else [])]
+
+
+def write_outputs(out: Path, results: dict) -> list[Path]:
+    """results.json, results.md and the PNG plots (skipped with a warning without matplotlib)."""
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    plots = write_plots(out, results)
+    write_markdown(out / "results.md", results, plots)
+    return [out / "results.json", out / "results.md", *plots]
 
 
 def write_markdown(path: Path, results: dict, plots: Sequence[Path] = ()) -> None:
