@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine.paged import PoolExhausted
+from engine.kv_pool import PoolExhausted
 from engine.requests import StepOutcome
 from engine.sampling import SamplingParams
 from engine.step import Assignment, Drafted

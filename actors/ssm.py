@@ -11,12 +11,13 @@ from transformers import DynamicCache
 
 from cluster.build import load_configured
 from settings.config import EngineConfig
-from engine.batched import PagedDrafter
+from engine.paged_models import PagedDrafter
 from engine.draft import ModelDrafter
-from engine.paged import PagedSequence
+from engine.kv_pool import PagedSequence
 from engine.step import Assignment, Drafted, draft_with
 
-from .paging import Guard, batching_parts, make_dropper
+from .guard import Guard, make_dropper
+from .targets import batching_parts
 from .common import HoldsRequests, Vocabulary, setup_process, sweep_interval, sync_history, vocabulary
 from .store import RequestStore, start_sweeper
 

@@ -7,18 +7,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.build import load_target
 from settings.config import EngineConfig
 from engine.requests import StepOutcome
 from engine.step import TARGET_STREAM, Drafted, first_token, verify_and_commit
 from engine.models import eos_token_ids
 from engine.sampling import SamplingParams, make_generator
-from engine.batched import PagedTarget, time_packed_forward
+from engine.paged_models import time_packed_forward
 from engine.budget import measure_curve
-from engine.paged import PagedSequence
+from engine.kv_pool import PagedSequence
 from engine.target import TargetState
 
-from .paging import Guard, batching_parts, make_dropper
+from .guard import Guard, make_dropper
+from .targets import build_target
 from .common import HoldsRequests, StateLost, Vocabulary, setup_process, sweep_interval, vocabulary
 from .store import RequestStore, start_sweeper
 
@@ -49,15 +49,11 @@ class VerifierActor(HoldsRequests):
     def __init__(self, config: EngineConfig, torch_threads: int, name_prefix: str = "specinfer",
                  namespace: str | None = None):
         setup_process(torch_threads)
-        self.target, loaded = load_target(config, name_prefix, namespace)
         self.paged = config.server.batching.enabled
         self.store: RequestStore[VerifyState] = RequestStore(
             config.server.request_ttl_s, on_drop=make_dropper(lambda state: self.target.release(state.target)))
-        capacity = None
-        if self.paged:
-            pool, batcher = batching_parts(config, loaded.model, lambda: len(self.store))
-            self.target = PagedTarget(loaded.model, pool, batcher)
-            capacity = pool.num_blocks * pool.block_size
+        self.target, loaded = build_target(config, lambda: len(self.store), name_prefix, namespace)
+        capacity = self.target.pool.num_slots if self.paged else None
         self.config = config
         self.info = TargetInfo(config.target.name, loaded.tokenizer, eos_token_ids(loaded),
                                getattr(loaded.model.config, "max_position_embeddings", None), vocabulary(loaded),

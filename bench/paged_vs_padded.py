@@ -25,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cluster.build import load_configured, set_threads  # noqa: E402
 from settings.config import load_config  # noqa: E402
 from engine import kv  # noqa: E402
-from engine.batched import time_packed_forward  # noqa: E402
+from engine.paged_models import time_packed_forward  # noqa: E402
 from engine.budget import budget_from_curve  # noqa: E402
-from engine.paged import BlockPool, ForwardItem, PagedModel, PagedSequence, chain_item  # noqa: E402
+from engine.kv_pool import BlockPool, PagedSequence  # noqa: E402
+from engine.packed import ForwardItem, PagedModel, chain_item  # noqa: E402
 from engine.target import TargetModel  # noqa: E402
 from engine.tree import TokenTree, ancestor_mask, positions  # noqa: E402
 

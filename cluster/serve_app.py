@@ -35,7 +35,7 @@ from actors.verifier import StateLost
 from engine.budget import budget_from_curve
 from engine.requests import StepUpdate
 from engine.step import Session, plan_proposers, tree_reservation
-from engine.paged import PoolExhausted
+from engine.kv_pool import PoolExhausted
 from protos import specinfer_pb2 as pb
 
 from .build import speculation_options

@@ -10,6 +10,8 @@ Glossary of dimension letters used in tensor shape comments (``# [N, V]``):
     B  batch dimension of a model input (1: several requests are packed along T instead)
     T  tokens of one packed forward: the new tokens of every request in the batch
     C  KV slots one request's tokens attend to (its committed prefix + its speculative nodes)
+    K  speculative KV entries of one request (its tree nodes written but not yet committed)
+    W  slot moves recorded by commits and applied before the next packed forward
     R  rows of a packed forward whose logits are kept
     N  nodes of a token tree, root included (node 0 is the root: the last committed token,
        not yet in the target's KV cache)
@@ -24,5 +26,5 @@ Glossary of dimension letters used in tensor shape comments (``# [N, V]``):
     D  head dimension
 """
 
-__all__ = ["tree", "models", "kv", "draft", "merge", "verify", "sampling", "generate", "paged", "batching", "batched",
-           "budget"]
+__all__ = ["tree", "models", "kv", "draft", "merge", "verify", "sampling", "target", "generate", "kv_pool", "packed",
+           "batcher", "paged_models", "budget", "text"]

@@ -59,7 +59,7 @@ class DraftSpec:
 
 
 @dataclass
-class _Builder:
+class TreeBuilder:
     """Accumulates a proposal; identical (parent, token) children share one node."""
 
     root: int
@@ -154,7 +154,7 @@ class ModelDrafter:
         exactly the committed tokens: the drafted levels are cropped away.
         """
         logits = self._extend(cache, committed)[None]  # [F, V], F = 1 at the root
-        builder = _Builder(root=committed[-1], proposer=self.proposer)
+        builder = TreeBuilder(root=committed[-1], proposer=self.proposer)
         frontier, cached, confidence = [0], [], {0: 1.0}
         for depth, width in enumerate(spec.schedule, start=1):
             first = len(builder.tokens)
@@ -185,7 +185,7 @@ class ModelDrafter:
         return out.logits[0, -1].float().cpu()
 
     def _forward_level(
-        self, cache: DynamicCache, builder: _Builder, level: list[int], cached: list[int], depth: int,
+        self, cache: DynamicCache, builder: TreeBuilder, level: list[int], cached: list[int], depth: int,
         committed_length: int,
     ) -> torch.Tensor:  # -> [F, V]
         """One SSM forward over the nodes of a level that will be expanded.
@@ -227,7 +227,7 @@ class NgramDrafter:
 
     def draft(self, state: None, committed: list[int], spec: DraftSpec, generator: torch.Generator) -> Proposal:
         """Continuations as chains under the root, at most ``spec.max_nodes`` nodes in all."""
-        builder = _Builder(root=committed[-1], proposer=self.proposer)
+        builder = TreeBuilder(root=committed[-1], proposer=self.proposer)
         limit = spec.max_nodes if spec is not None and spec.max_nodes else None
         for continuation in self.continuations(committed):
             parent = 0

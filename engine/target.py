@@ -1,9 +1,10 @@
 """The target model side: prefill, one forward over a whole tree, commit of the accepted path.
 
 ``Target`` is the one interface every target implements with the same signatures: the plain
-``TargetModel`` here (a DynamicCache per request), ``PagedTarget`` (``engine.batched``: a block
-table in a shared pool, forwards batched across requests) and the tensor-parallel target
-(``actors.tensor_parallel``: DeepSpeed AutoTP ranks).
+``TargetModel`` here (a DynamicCache per request), ``PagedTarget`` (``engine.paged_models``: a
+block table in a shared pool, forwards batched across requests, run in this process or over
+tensor-parallel ranks) and ``TensorParallelTarget`` (``actors.tensor_parallel``: DeepSpeed AutoTP
+ranks, one request per forward).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Target(Protocol):
 
     def new_state(self, reserve_tokens: int = 0) -> TargetStateLike:
         """A fresh request state; ``reserve_tokens`` is promised memory where a pool exists
-        (raises ``engine.paged.PoolExhausted`` when it cannot be promised)."""
+        (raises ``engine.kv_pool.PoolExhausted`` when it cannot be promised)."""
 
     def prefill(self, state: TargetStateLike, prompt_ids: list[int]) -> torch.Tensor:  # -> [V]
         """Run the prompt into the state's cache; the logits of the first new token."""

@@ -79,7 +79,9 @@ class ActorOptions(Strict):
 
 class VerifierConfig(Strict):
     """The target's actors. With ``tensor_parallel_size`` N > 1 the target runs as N DeepSpeed
-    AutoTP rank actors (one GPU each when ``actor.num_gpus`` is 1), and ``actor`` applies per rank."""
+    AutoTP rank actors (one GPU each when ``actor.num_gpus`` is 1), and ``actor`` applies per rank. With
+    batching each rank holds whole key/value heads of the pool: N must divide the target's KV heads
+    (checked when the target is built, since the model is not known here)."""
 
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     collective_timeout_s: float = Field(default=30.0, gt=0.0, description="a stuck rank fails the call after this")
@@ -140,9 +142,6 @@ class EngineConfig(Strict):
         names = [m.name for m in self.ssms] + ([self.ngram.name] if self.ngram else [])
         if len(set(names)) != len(names):
             raise ValueError(f"SSM names must be unique, got {names}")
-        if self.server.batching.enabled and self.verifier.tensor_parallel_size > 1:
-            raise ValueError("server.batching.enabled needs verifier.tensor_parallel_size 1 (the tensor-parallel "
-                             "target runs one request per forward): set server.batching.enabled: false")
         return self
 
     def resolved_models_dir(self) -> Path:

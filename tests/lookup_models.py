@@ -3,7 +3,7 @@
 A ``LookupLM`` is a second-order Markov "language model": its next-token logits are a fixed
 random table indexed by the last two tokens, so p and q are known exactly and the exact
 distribution of any output prefix can be enumerated. ``LookupDrafter`` is the real
-``ModelDrafter`` drafting loop (choose_children, _Builder, level by level) with the SSM
+``ModelDrafter`` drafting loop (choose_children, TreeBuilder, level by level) with the SSM
 forward replaced by a table look-up. ``tiny_llama`` / ``tiny_tokenizer`` build a real random
 Llama and a word-level tokenizer over its vocabulary for end-to-end and CLI tests.
 """

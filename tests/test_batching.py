@@ -15,11 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.batched import PagedDrafter, PagedTarget, paged_parts
+from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 from engine.draft import ModelDrafter, NgramDrafter
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.generate import SpeculativeEngine
-from engine.paged import BlockPool, ForwardItem, PagedModel, PagedSequence, PoolExhausted, chain_item
+from engine.kv_pool import BlockPool, KVStorage, PagedSequence, PoolExhausted
+from engine.packed import ForwardItem, PagedModel, chain_item
 from engine.sampling import SamplingParams
 from engine.target import TargetModel
 from engine.tree import TokenTree, ancestor_mask, positions
@@ -143,7 +144,7 @@ def test_packed_forward_logits_equal_the_dynamic_cache_path(models):
     """Three requests packed into one forward: each one's tree logits equal TargetModel's alone,
     before and after a commit of a non-first branch."""
     target = models[0]
-    pool = BlockPool.for_model(target, 1024, block_size=4)
+    pool = BlockPool.for_tokens(1024, block_size=4)
     paged, plain = PagedModel(target, pool), TargetModel(target)
     prompts = [list(range(10, 10 + n)) for n in (5, 13, 2)]
     sequences, states = [PagedSequence(pool) for _ in prompts], [plain.new_state() for _ in prompts]
@@ -167,23 +168,27 @@ def test_packed_forward_logits_equal_the_dynamic_cache_path(models):
 
 
 def test_block_table_slots_and_keep_move_only_the_path():
-    pool = BlockPool(num_layers=1, kv_heads=1, head_dim=1, num_blocks=8, block_size=4, dtype=torch.float32)
+    pool = BlockPool(num_blocks=8, block_size=4)
+    storage = KVStorage(num_layers=1, kv_heads=1, head_dim=1, slots=pool.num_slots, dtype=torch.float32)
     sequence = PagedSequence(pool)
     slots = sequence.append(10)  # entries 0..9 as speculative
-    pool.keys[0][slots, 0, 0] = torch.arange(10, dtype=torch.float32)
-    sequence.keep(list(range(6)))  # commit 6, drop 4
-    assert (sequence.length, len(sequence.blocks)) == (6, 2)
+    storage.keys[0][slots, 0, 0] = torch.arange(10, dtype=torch.float32)
+    sequence.keep(list(range(6)))  # commit 6, drop 4: nothing moves
+    assert (sequence.length, len(sequence.blocks)) == (6, 2) and pool.take_moves().shape == (2, 0)
     new = sequence.append(5)  # tree nodes 0..4 at entries 6..10
-    pool.keys[0][new, 0, 0] = torch.tensor([60.0, 61, 62, 63, 64])
+    storage.keys[0][new, 0, 0] = torch.tensor([60.0, 61, 62, 63, 64])
     sequence.keep([0, 3, 4])
-    assert pool.keys[0][sequence.slots(0, 9), 0, 0].tolist() == [0, 1, 2, 3, 4, 5, 60, 63, 64]
+    moves = pool.take_moves()  # [2, 2]: entries 9, 10 -> 7, 8 (the storage applies them in the next forward)
+    assert moves.tolist() == [sequence.slots(9, 11).tolist(), sequence.slots(7, 9).tolist()]
+    storage.move(moves)
+    assert storage.keys[0][sequence.slots(0, 9), 0, 0].tolist() == [0, 1, 2, 3, 4, 5, 60, 63, 64]
     assert len(sequence.blocks) == 3 and pool.num_free == 5
     sequence.release()
     assert pool.num_free == 8
 
 
 def test_blocks_freed_by_a_truncation_stay_reserved_for_their_sequence():
-    pool = BlockPool(num_layers=1, kv_heads=1, head_dim=1, num_blocks=4, block_size=4, dtype=torch.float32)
+    pool = BlockPool(num_blocks=4, block_size=4)
     holder = PagedSequence(pool, reserve_tokens=16)  # the whole pool
     holder.append(12)
     holder.keep([0])  # 3 blocks in use, 2 freed by the commit
@@ -196,7 +201,7 @@ def test_blocks_freed_by_a_truncation_stay_reserved_for_their_sequence():
 
 
 def test_reservation_admits_by_memory():
-    pool = BlockPool(num_layers=1, kv_heads=1, head_dim=1, num_blocks=4, block_size=4, dtype=torch.float32)
+    pool = BlockPool(num_blocks=4, block_size=4)
     first = PagedSequence(pool, reserve_tokens=10)  # 3 blocks promised
     with pytest.raises(PoolExhausted):
         PagedSequence(pool, reserve_tokens=5)  # 2 more do not fit
@@ -215,7 +220,7 @@ def test_reservation_admits_by_memory():
 def test_pool_accounting_property(operations):
     """Any mix of appends, commits, truncations and releases: used + free blocks = all blocks,
     every block is owned at most once, and releasing everything restores the pool."""
-    pool = BlockPool(num_layers=1, kv_heads=1, head_dim=1, num_blocks=64, block_size=3, dtype=torch.float32)
+    pool = BlockPool(num_blocks=64, block_size=3)
     sequences = [PagedSequence(pool, reserve_tokens=6) for _ in range(4)]
     for operation, index, count in operations:
         sequence = sequences[index]

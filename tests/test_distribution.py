@@ -28,7 +28,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.draft import DraftSpec, ModelDrafter, NgramDrafter, Proposal, _Builder
+from engine.draft import DraftSpec, ModelDrafter, NgramDrafter, Proposal, TreeBuilder
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.generate import SpeculativeEngine
 from engine.merge import merge
@@ -416,13 +416,13 @@ def test_rule_is_lossless_and_beats_naive_sampling_for_any_p_and_q(p, q, q2, rul
 
 
 def fixed_root_proposal(draws) -> Proposal:
-    """Per-proposer depth-1 proposals from the engine's _Builder, merged as the engine merges.
+    """Per-proposer depth-1 proposals from the engine's TreeBuilder, merged as the engine merges.
 
     draws: [(token, proposer, q # [V] or None)], grouped by proposer (merge keeps that order)."""
     assert [d[1] for d in draws] == sorted(d[1] for d in draws), "group the draws by proposer"
-    builders: dict[int, _Builder] = {}
+    builders: dict[int, TreeBuilder] = {}
     for token, proposer, q in draws:
-        builder = builders.setdefault(proposer, _Builder(root=PROMPT[-1], proposer=proposer))
+        builder = builders.setdefault(proposer, TreeBuilder(root=PROMPT[-1], proposer=proposer))
         builder.add(0, token, None if q is None else torch.as_tensor(q, dtype=torch.float32))
     return merge([builder.build() for builder in builders.values()])
 
@@ -490,7 +490,7 @@ def tiny_engine(tiny_models) -> SpeculativeEngine:
 @pytest.fixture(scope="module")
 def tiny_batched_engine(tiny_models) -> SpeculativeEngine:
     """The same models over paged KV pools, forwards batched across request threads."""
-    from engine.batched import PagedDrafter, PagedTarget, paged_parts
+    from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 
     target, ssm = tiny_models
     target_pool, target_batcher = paged_parts(target, 4096)

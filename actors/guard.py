@@ -1,4 +1,4 @@
-"""Paged, batched models inside an actor: pool + batcher, and per-request state guarding.
+"""Per-request call guarding in an actor whose request calls run on concurrent threads.
 
 An actor runs each request's call on its own thread (``max_concurrency``); with batching their
 forwards are packed into one. A request's paged KV blocks must not go back to the pool while a
@@ -11,11 +11,6 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
-
-from settings.config import EngineConfig
-from engine.batched import paged_parts
-from engine.batching import ForwardBatcher
-from engine.paged import BlockPool
 
 
 @dataclass
@@ -36,11 +31,3 @@ def make_dropper(release: Callable[[object], None]) -> Callable[[object], None]:
             release(state)
 
     return drop
-
-
-def batching_parts(config: EngineConfig, model, expected: Callable[[], int],
-                   scale: float = 1.0) -> tuple[BlockPool, ForwardBatcher]:
-    """The pool (``kv_cache_tokens`` x ``scale`` token slots) and batcher for one model."""
-    batching = config.server.batching
-    return paged_parts(model, int(batching.kv_cache_tokens * scale), batching.block_size,
-                       batching.window_ms / 1e3, expected, batching.window_fraction)

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .paged import ForwardItem, PagedModel
+from .packed import ForwardItem, PackedModel
 
 
 @dataclass
@@ -45,7 +45,7 @@ class ForwardBatcher:
     time, whichever is longer (calls of one step arrive milliseconds apart: each request's result
     is streamed to its client before its next call)."""
 
-    def __init__(self, model: PagedModel, window_s: float = 0.0, expected: Callable[[], int] | None = None,
+    def __init__(self, model: PackedModel, window_s: float = 0.0, expected: Callable[[], int] | None = None,
                  window_fraction: float = 0.0):
         self.model = model
         self.window_s, self.window_fraction, self.expected = window_s, window_fraction, expected
@@ -115,8 +115,11 @@ class ForwardBatcher:
         began = time.monotonic()
         try:
             results = self.model.forward([ticket.item for ticket in batch])
-            for ticket, result in zip(batch, results):
-                ticket.result = result
+            for ticket, result in zip(batch, results):  # an item's own error (a lost state) is its alone
+                if isinstance(result, BaseException):
+                    ticket.error = result
+                else:
+                    ticket.result = result
         except BaseException as error:  # every request of the batch sees the failure
             for ticket in batch:
                 ticket.error = error

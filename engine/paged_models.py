@@ -2,7 +2,9 @@
 
 ``PagedTarget`` has ``TargetModel``'s methods and ``PagedDrafter`` is a ``ModelDrafter``: the
 speculative step (draft -> merge -> verify -> commit) is the same code; only their forwards go
-through a ``ForwardBatcher``, which packs the forwards of every request thread into one.
+through a ``ForwardBatcher``, which packs the forwards of every request thread into one and runs
+it on a ``PackedModel``: ``engine.packed.PagedModel`` in this process, or
+``actors.tensor_parallel.TensorParallelPagedModel`` over tensor-parallel ranks.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import time
 
 import torch
 
-from .batching import ForwardBatcher
-from .draft import DraftSpec, ModelDrafter, Proposal, _Builder
-from .paged import BlockPool, ForwardItem, PagedModel, PagedSequence, chain_item
+from .batcher import ForwardBatcher
+from .draft import DraftSpec, ModelDrafter, Proposal, TreeBuilder
+from .kv_pool import BlockPool, PagedSequence
+from .packed import ForwardItem, PackedModel, PagedModel, chain_item
 from .tree import TokenTree, ancestor_mask, positions
 
 
@@ -46,7 +49,8 @@ class PagedTarget:
         state.release()
 
     def shutdown(self) -> None:
-        """Nothing beyond the pool and the model, which the caller owns."""
+        """Stop what runs the forwards outside this process (tensor-parallel ranks), if anything."""
+        self.batcher.model.shutdown()
 
 
 class PagedDrafter(ModelDrafter):
@@ -74,7 +78,7 @@ class PagedDrafter(ModelDrafter):
         state.keep(list(range(len(fresh))))
         return logits[0].cpu()
 
-    def _forward_level(self, state: PagedSequence, builder: _Builder, level: list[int], cached: list[int],
+    def _forward_level(self, state: PagedSequence, builder: TreeBuilder, level: list[int], cached: list[int],
                        depth: int, committed_length: int) -> torch.Tensor:  # -> [F, V]
         parents = torch.tensor(builder.parents, dtype=torch.long)
         visible = ancestor_mask(parents)[level][:, cached + level]  # [F, K]
@@ -89,12 +93,12 @@ class PagedDrafter(ModelDrafter):
 
 def paged_parts(model, tokens: int, block_size: int = 16, window_s: float = 0.0, expected=None,
                 window_fraction: float = 0.0) -> tuple[BlockPool, ForwardBatcher]:
-    """A pool of ``tokens`` slots for ``model`` and a batcher over it."""
-    pool = BlockPool.for_model(model, tokens, block_size)
+    """A pool of ``tokens`` slots for ``model`` and a batcher over it (in this process)."""
+    pool = BlockPool.for_tokens(tokens, block_size)
     return pool, ForwardBatcher(PagedModel(model, pool), window_s, expected, window_fraction)
 
 
-def time_packed_forward(model: PagedModel, total_tokens: int, prefix: int = 256, repeats: int = 3) -> float:
+def time_packed_forward(model: PackedModel, total_tokens: int, prefix: int = 256, repeats: int = 3) -> float:
     """Median ms of one packed forward of ``total_tokens`` chain tokens on a ``prefix`` cache."""
     sequence = PagedSequence(model.pool)
     model.forward([chain_item(sequence, list(range(prefix)))])

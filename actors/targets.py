@@ -1,0 +1,69 @@
+"""What the verifier runs as its target, and the pool + batcher of any batched model.
+
+``build_target`` chooses from the config:
+
+    tensor_parallel_size  batching  target
+    1                     off       TargetModel: a DynamicCache per request
+    1                     on        PagedTarget over a PagedModel: pool accounting and storage here
+    N                     off       TensorParallelTarget: DynamicCache shards on N rank actors
+    N                     on        PagedTarget over a TensorParallelPagedModel: the pool's accounting
+                                    here, its storage sharded over the N ranks (their KV heads)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from cluster.build import load_configured, load_target, model_spec
+from settings.config import EngineConfig
+from engine.batcher import ForwardBatcher
+from engine.kv_pool import BlockPool, kv_heads
+from engine.models import LoadedModel, load_header
+from engine.packed import PackedModel, PagedModel
+from engine.paged_models import PagedTarget
+from engine.target import Target
+
+from .tensor_parallel import TensorParallelPagedModel
+
+
+def batcher_for(config: EngineConfig, model: PackedModel, expected: Callable[[], int]) -> ForwardBatcher:
+    """A batcher over ``model`` with the configured wait for other requests' forwards."""
+    batching = config.server.batching
+    return ForwardBatcher(model, batching.window_ms / 1e3, expected, batching.window_fraction)
+
+
+def batching_parts(config: EngineConfig, model, expected: Callable[[], int],
+                   scale: float = 1.0) -> tuple[BlockPool, ForwardBatcher]:
+    """The pool (``kv_cache_tokens`` x ``scale`` token slots) and batcher for one model in this process."""
+    batching = config.server.batching
+    pool = BlockPool.for_tokens(int(batching.kv_cache_tokens * scale), batching.block_size)
+    return pool, batcher_for(config, PagedModel(model, pool), expected)
+
+
+def check_shardable(model_config, tensor_parallel_size: int) -> None:
+    """Each rank holds whole key/value heads of the pool: the head count must split evenly."""
+    heads = kv_heads(model_config)
+    if heads % tensor_parallel_size:
+        raise ValueError(f"verifier.tensor_parallel_size {tensor_parallel_size} with batching needs the target's "
+                         f"{heads} key/value heads to split evenly over the ranks; use a divisor of {heads} or "
+                         "server.batching.enabled: false")
+
+
+def build_target(config: EngineConfig, expected: Callable[[], int], name_prefix: str = "specinfer",
+                 namespace: str | None = None) -> tuple[Target, LoadedModel]:
+    """The target and the LoadedModel for its tokenizer and configs (a ModelHeader without weights
+    in this process under tensor parallelism; Ray must then be initialised). ``expected()``: how
+    many requests may submit a forward soon (the batcher waits for them)."""
+    tp = config.verifier.tensor_parallel_size
+    if not config.server.batching.enabled:
+        return load_target(config, name_prefix, namespace)
+    if tp == 1:
+        loaded = load_configured(config, config.target)
+        pool, batcher = batching_parts(config, loaded.model, expected)
+        return PagedTarget(loaded.model, pool, batcher), loaded
+    header = load_header(model_spec(config, config.target))
+    check_shardable(header.model.config, tp)
+    batching = config.server.batching
+    pool = BlockPool.for_tokens(batching.kv_cache_tokens, batching.block_size)
+    model = TensorParallelPagedModel(config, pool, name_prefix, namespace)
+    return PagedTarget(header.model, pool, batcher_for(config, model, expected)), header

@@ -1,0 +1,212 @@
+"""A paged KV pool: block accounting with a block table per request, and the K/V storage.
+
+The two halves live apart so that they can live in different processes: the accounting
+(``BlockPool``: free list, reservations; ``PagedSequence``: one request's block table) is kept
+where requests are scheduled, the storage (``KVStorage``: every layer's keys and values per slot)
+where the model runs; under tensor parallelism each rank holds its shard of the storage (its
+own key/value heads) and the coordinator holds the one accounting.
+
+A request's block table maps its token index i to slot ``blocks[i // block_size] * block_size +
+i % block_size``. Each sequence keeps ``length`` committed entries, then ``pending`` speculative
+ones (tree nodes in the order they were written). ``keep(path)`` commits the accepted path: it
+records the few moves (source slot -> target slot) that put the path's entries after the committed
+ones, and frees the blocks past the new end; the storage applies recorded moves at the start of
+the next packed forward, before anything is written. The prefix is never copied.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class PoolExhausted(RuntimeError):
+    """The pool has no free block for a request (admission should have prevented this)."""
+
+
+class BlockPool:
+    """Accounting of ``num_blocks`` blocks of ``block_size`` token slots: free list, reservations,
+    moves recorded by commits, and the storage epoch.
+
+    ``epoch`` counts storage losses (a tensor-parallel group restarted): sequences of an older
+    epoch keep their blocks until released, but their entries are gone.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.epoch = 0
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._reserved = 0
+        self._moves: list[torch.Tensor] = []  # each [2, w]: source slots, target slots
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_tokens(cls, tokens: int, block_size: int = 16) -> "BlockPool":
+        return cls(-(-tokens // block_size), block_size)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def counts(self) -> tuple[int, int, int]:
+        """(free, unreserved, total) blocks."""
+        return self.num_free, self.num_unreserved, self.num_blocks
+
+    @property
+    def num_unreserved(self) -> int:
+        """Free blocks that no admitted request has been promised."""
+        return len(self._free) - self._reserved
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def reserve(self, blocks: int) -> bool:
+        """Promise ``blocks`` to one request (admission); False when the pool cannot."""
+        with self._lock:
+            if blocks > len(self._free) - self._reserved:
+                return False
+            self._reserved += blocks
+            return True
+
+    def allocate(self, count: int, from_reserve: int) -> list[int]:
+        """``count`` blocks, ``from_reserve`` of them out of the caller's reservation."""
+        with self._lock:
+            if count - from_reserve > len(self._free) - self._reserved:
+                raise PoolExhausted(f"KV pool exhausted: {count} blocks wanted, {self.num_unreserved} unreserved")
+            self._reserved -= from_reserve
+            return [self._free.pop() for _ in range(count)]
+
+    def free(self, blocks: list[int], to_reserve: int = 0) -> None:
+        """Return ``blocks``; ``to_reserve`` (may be negative) moves the owner's reservation."""
+        with self._lock:
+            self._free.extend(reversed(blocks))
+            self._reserved += to_reserve
+
+    def record_moves(self, source: torch.Tensor, target: torch.Tensor) -> None:  # each [w] slots
+        with self._lock:
+            self._moves.append(torch.stack([source, target]))
+
+    def take_moves(self) -> torch.Tensor:  # -> [2, W] source and target slots, in recorded order
+        """Every move recorded since the last call. Take them AFTER allocating a forward's blocks:
+        a block freed later cannot have been handed to that forward, so its sources are intact."""
+        with self._lock:
+            moves, self._moves = self._moves, []
+        return torch.cat(moves, dim=1) if moves else torch.empty(2, 0, dtype=torch.long)
+
+    def lose_storage(self) -> None:
+        """The storage behind this pool is gone: start a new epoch and drop the recorded moves."""
+        with self._lock:
+            self.epoch += 1
+            self._moves = []
+
+
+def kv_heads(model_config) -> int:
+    """Key/value heads of a model config (grouped-query attention or not)."""
+    return getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+
+
+class KVStorage:
+    """Keys and values of every layer for a pool's slots (``kv_heads``: this process's heads)."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slots: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.keys = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros_like(k) for k in self.keys]  # each [slots, H, D]
+
+    @classmethod
+    def for_model(cls, model, slots: int, shards: int = 1) -> "KVStorage":
+        """Storage for ``model``; with ``shards`` tensor-parallel ranks, one rank's share of the heads."""
+        config = model.config
+        heads = kv_heads(config)
+        if heads % shards:
+            raise ValueError(f"{heads} key/value heads cannot be split over {shards} tensor-parallel ranks")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+        return cls(config.num_hidden_layers, heads // shards, head_dim, slots, dtype, next(model.parameters()).device)
+
+    def move(self, moves: torch.Tensor) -> None:  # moves: [2, W] source, target slots
+        """Copy entries from source to target slots in every layer, in order."""
+        if moves.shape[1] == 0:
+            return
+        source, target = moves.to(self.keys[0].device)
+        for keys, values in zip(self.keys, self.values):
+            keys[target] = keys[source]
+            values[target] = values[source]
+
+
+class PagedSequence:
+    """One request's block table in a pool: ``length`` committed entries, then ``pending`` speculative.
+
+    ``quota``: blocks reserved at admission. Blocks the sequence holds count against it; the rest
+    stays reserved in the pool, so a block freed by a truncation is reserved for it again.
+    ``epoch``: the pool's storage epoch when the sequence was made (its entries exist while equal).
+    """
+
+    def __init__(self, pool: BlockPool, reserve_tokens: int = 0):
+        self.pool, self.blocks, self.length, self.pending = pool, [], 0, 0
+        self.epoch = pool.epoch
+        self.quota = pool.blocks_for(reserve_tokens)
+        if self.quota and not pool.reserve(self.quota):
+            raise PoolExhausted(f"KV pool cannot hold {reserve_tokens} more tokens")
+
+    @property
+    def reserved(self) -> int:
+        """Blocks still promised to this sequence and not yet taken."""
+        return max(0, self.quota - len(self.blocks))
+
+    @property
+    def lost(self) -> bool:
+        """Its storage was lost (its entries are gone); it can only be released."""
+        return self.epoch != self.pool.epoch
+
+    def slots(self, start: int, stop: int) -> torch.Tensor:  # -> [stop - start]
+        """Pool slots of entries ``start..stop-1``. Example: blocks [7, 2], block size 4,
+        entries 3..5 -> slots [31, 8, 9]."""
+        index = torch.arange(start, stop)
+        table = torch.tensor(self.blocks, dtype=torch.long)
+        return table[index // self.pool.block_size] * self.pool.block_size + index % self.pool.block_size
+
+    def append(self, count: int) -> torch.Tensor:  # -> [count] slots of the new speculative entries
+        end = self.length + self.pending
+        missing = self.pool.blocks_for(end + count) - len(self.blocks)
+        if missing > 0:
+            self.blocks += self.pool.allocate(missing, min(missing, self.reserved))
+        self.pending += count
+        return self.slots(end, end + count)
+
+    def keep(self, path: list[int]) -> None:
+        """Commit the pending entries on ``path`` (indices into the pending ones), drop the rest.
+
+        Example: length 10, pending 5, path [0, 3, 4] -> entries 13, 14 move to 11, 12 (recorded
+        for the storage); length 13, pending 0; blocks past entry 13 go back to the pool.
+        """
+        moved = [i for i, node in enumerate(path) if node != i]
+        if moved and not self.lost:  # recorded before the blocks are freed (see take_moves)
+            source = self.slots(self.length + moved[0], self.length + self.pending)[
+                torch.tensor(path[moved[0]:]) - moved[0]]
+            self.pool.record_moves(source, self.slots(self.length + moved[0], self.length + len(path)))
+        self.length += len(path)
+        self.pending = 0
+        self.truncate(self.length)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` entries (all committed); free the blocks past them."""
+        self.length, self.pending = min(self.length, length), 0
+        self._shrink_to(self.pool.blocks_for(self.length))
+
+    def release(self) -> None:
+        """Give every block and the unused reservation back (idempotent)."""
+        self._shrink_to(0)
+        self.pool.free([], to_reserve=-self.reserved)
+        self.quota = self.length = self.pending = 0
+
+    def _shrink_to(self, keep: int) -> None:
+        if len(self.blocks) > keep:
+            before = self.reserved
+            freed, self.blocks = self.blocks[keep:], self.blocks[:keep]
+            self.pool.free(freed, to_reserve=self.reserved - before)

@@ -1,0 +1,199 @@
+"""One packed forward over many requests' trees, on a paged KV pool (``engine.kv_pool``).
+
+A forward packs the new tokens of many requests into one sequence ``[1, T]`` in two steps that
+can run in different processes:
+
+* ``pack(items, pool)`` needs the pool's accounting only: it appends each request's new entries
+  to its block table and describes the batch as a ``PackedBatch`` (tokens, positions, the slots
+  the new keys/values go to, per request the slots it reads and its tree mask, the rows whose
+  logits are kept, and the moves recorded by commits since the last forward). Plain CPU tensors:
+  under tensor parallelism this is what the coordinator sends every rank.
+* ``PackedRunner.run(batch)`` needs the storage and the model: it applies the moves, then runs
+  the model with a custom attention function registered with transformers (``specinfer_paged``)
+  that writes the new keys/values into the storage and lets each request's tokens attend to its
+  own slots only, under its own tree mask.
+
+``PagedModel`` does both in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from .kv_pool import BlockPool, KVStorage, PagedSequence
+from .tree import attention_bias
+
+ATTENTION = "specinfer_paged"
+
+
+@dataclass(frozen=True)
+class ForwardItem:
+    """New tokens of one sequence for a packed forward.
+
+    tokens:    # [n] int64
+    positions: # [n] int64 rotary positions
+    visible:   # [n, K] bool over the sequence's speculative entries after these n are
+               #   appended (K = pending + n); committed entries are always visible
+    rows:      # [r] int64, which of the n tokens need logits
+    """
+
+    sequence: PagedSequence
+    tokens: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n]
+    visible: torch.Tensor  # [n, K]
+    rows: torch.Tensor  # [r]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's tokens ``start..stop-1`` of the packed sequence and what they read."""
+
+    start: int
+    stop: int
+    read_slots: torch.Tensor  # [C] its committed entries, then its speculative ones
+    committed: int  # the first ``committed`` read slots are visible to every token
+    visible: torch.Tensor  # [n, C - committed] bool
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A packed forward, described without the storage or the model (CPU tensors)."""
+
+    tokens: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    write_slots: torch.Tensor  # [T]
+    segments: tuple[Segment, ...]
+    rows: torch.Tensor  # [R] rows of the packed sequence whose logits are returned
+    row_counts: tuple[int, ...]  # rows per item, in item order
+    moves: torch.Tensor  # [2, W] source, target slots to copy before anything is written
+
+
+class PackedModel(Protocol):
+    """What a ForwardBatcher runs: per item ``[r, V]`` logits (or the error of that item alone)."""
+
+    pool: BlockPool
+
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | BaseException]: ...
+
+    def shutdown(self) -> None:
+        """Free what runs the forwards beyond this process (tensor-parallel ranks)."""
+
+
+def chain_item(sequence: PagedSequence, tokens: list[int], last_only: bool = True) -> ForwardItem:
+    """Committed tokens fed in order (prefill, catching up): causal over themselves."""
+    n, start = len(tokens), sequence.length + sequence.pending
+    visible = torch.ones(n, sequence.pending + n, dtype=torch.bool)
+    visible[:, sequence.pending:] = torch.ones(n, n, dtype=torch.bool).tril()
+    rows = torch.tensor([n - 1]) if last_only else torch.arange(n)
+    return ForwardItem(sequence, torch.tensor(tokens, dtype=torch.long), torch.arange(start, start + n), visible, rows)
+
+
+def pack(items: list[ForwardItem], pool: BlockPool) -> PackedBatch:
+    """Append every item's entries to its block table and describe the forward."""
+    writes, segments, rows, offset = [], [], [], 0
+    for item in items:
+        n, sequence = len(item.tokens), item.sequence
+        writes.append(sequence.append(n))
+        read = sequence.slots(0, sequence.length + sequence.pending)
+        segments.append(Segment(offset, offset + n, read, sequence.length, item.visible))
+        rows.append(item.rows + offset)
+        offset += n
+    moves = pool.take_moves()  # after the allocations: see BlockPool.take_moves
+    return PackedBatch(torch.cat([item.tokens for item in items]), torch.cat([item.positions for item in items]),
+                       torch.cat(writes), tuple(segments), torch.cat(rows), tuple(len(item.rows) for item in items),
+                       moves)
+
+
+@dataclass(frozen=True)
+class _Reads:
+    start: int
+    stop: int
+    slots: torch.Tensor  # [C] on the model's device
+    bias: torch.Tensor  # [1, 1, n, C]
+
+
+@dataclass(frozen=True)
+class PagedContext:
+    """What the attention function needs: the storage, where new entries go, who reads what."""
+
+    storage: KVStorage
+    write_slots: torch.Tensor  # [T]
+    reads: tuple[_Reads, ...]
+
+
+class PackedRunner:
+    """A Hugging Face causal LM running PackedBatches over a KVStorage."""
+
+    def __init__(self, model, storage: KVStorage):
+        register_attention()
+        model.set_attn_implementation(ATTENTION)
+        self.model, self.storage = model, storage
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def run(self, batch: PackedBatch) -> torch.Tensor:  # -> [R, V] float32
+        self.storage.move(batch.moves)
+        dtype, device = self.storage.keys[0].dtype, self.device
+        reads = tuple(_Reads(s.start, s.stop, s.read_slots.to(device),
+                             attention_bias(s.visible, s.committed, dtype).to(device)) for s in batch.segments)
+        context = PagedContext(self.storage, batch.write_slots.to(device), reads)
+        out = self.model(input_ids=batch.tokens[None].to(device), position_ids=batch.positions[None].to(device),
+                         use_cache=False, paged=context, logits_to_keep=batch.rows.to(device))
+        return out.logits[0].float()
+
+
+class PagedModel:
+    """Pack and run in one process: the pool's accounting and its storage side by side."""
+
+    def __init__(self, model, pool: BlockPool):
+        self.pool = pool
+        self.runner = PackedRunner(model, KVStorage.for_model(model, pool.num_slots))
+
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:  # -> per item [r, V] float32
+        batch = pack(items, self.pool)
+        return list(torch.split(self.runner.run(batch), batch.row_counts))
+
+    def shutdown(self) -> None:
+        """Nothing beyond the model, which the caller owns."""
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, paged=None, **kwargs):
+    """query [1, Hq, T, D], key/value [1, H, T, D] -> ([1, T, Hq, D], None).
+
+    Without a PagedContext it is plain SDPA, so a model set to this attention still runs the
+    DynamicCache path. With one, the new keys/values go to their slots, then each request's
+    queries attend to its own slots under its own mask.
+    """
+    if paged is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    keys, values = paged.storage.keys[module.layer_idx], paged.storage.values[module.layer_idx]
+    keys[paged.write_slots] = key[0].transpose(0, 1).to(keys.dtype)
+    values[paged.write_slots] = value[0].transpose(0, 1).to(values.dtype)
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, Hq, D]
+    for segment in paged.reads:
+        k = keys[segment.slots].transpose(0, 1)[None].to(query.dtype)  # [1, H, C, D]
+        v = values[segment.slots].transpose(0, 1)[None].to(query.dtype)
+        o = F.scaled_dot_product_attention(query[:, :, segment.start:segment.stop], k, v,
+                                           attn_mask=segment.bias.to(query.dtype), scale=scaling, enable_gqa=True)
+        out[segment.start:segment.stop] = o[0].transpose(0, 1)
+    return out[None], None
+
+
+_registered = False
+
+
+def register_attention() -> None:
+    """Register ``specinfer_paged`` with transformers (its mask builder is SDPA's)."""
+    global _registered
+    if not _registered:
+        AttentionInterface.register(ATTENTION, paged_attention)
+        AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+        _registered = True
