@@ -1,4 +1,5 @@
-"""Tensor-parallel verification (DeepSpeed AutoTP, 2 rank actors over gloo on CPU) against tp=1.
+"""Tensor-parallel verification (DeepSpeed AutoTP, 2 rank actors over gloo on CPU) against tp=1,
+one request per forward and with continuous batching (the paged pool's storage sharded on the ranks).
 
 fp32 throughout: tp=2 all-reduces partial sums, so its logits differ from tp=1 by float rounding
 only (about 1e-6 here); greedy token ids must be identical, in-process and through gRPC.
@@ -7,15 +8,19 @@ only (about 1e-6 here); greedy token ids must be identical, in-process and throu
 from __future__ import annotations
 
 import glob
+import inspect
+import threading
 import time
 
 import pytest
 import torch
 
 from engine.requests import GenerationRequest, SpeculationOptions
+from engine.kv_pool import PagedSequence
 from engine.tree import TokenTree
 from serving_fixtures import (  # noqa: F401  (fixtures)
     _SESSION, engine_args, ray_session, serving, tiny_args, tiny_models)
+from tests.test_batching import run_threads
 from tests.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.ray
@@ -25,8 +30,9 @@ pytest.importorskip("deepspeed")
 TP_VERIFIER = {"tensor_parallel_size": 2, "collective_timeout_s": 20.0, "actor": {"num_cpus": 0.25, "torch_threads": 2}}
 
 
-def tp_args(args: dict) -> dict:
-    server = {**args.get("server", {}), "batching": {"enabled": False}}
+def tp_args(args: dict, batching: bool = False) -> dict:
+    """``args`` with a 2-rank verifier, continuous batching on or off."""
+    server = {**args["server"], "batching": {**args["server"]["batching"], "enabled": batching}}
     return {**args, "verifier": TP_VERIFIER, "server": server}
 
 
@@ -95,7 +101,7 @@ def test_states_are_released_on_every_rank(engines):
     _, parallel = engines
     request = GenerationRequest(tuple(range(30, 40)), 8)
     parallel.generate(request)  # the session releases its state on the ranks when it ends
-    counts = ray.get([rank.num_states.remote() for rank in parallel.target.ranks])
+    counts = ray.get([rank.num_states.remote() for rank in parallel.target.group.ranks])
     assert counts == [0, 0]
 
 
@@ -105,18 +111,18 @@ def test_failed_rank_fails_fast_and_group_is_rebuilt(ray_session, tiny_args):
     import ray
 
     from actors.common import StateLost
-    from actors.tensor_parallel import RanksFailed
+    from actors.rank_group import RanksFailed
     from cluster.build import build_engine
     from settings.config import EngineConfig
 
     engine = build_engine(EngineConfig.model_validate(tp_args(tiny_args)))
     try:
         target, prompt = engine.target, list(range(50, 70))
-        address = ray.get(target.ranks[0].group_address.remote())
+        address = ray.get(target.group.ranks[0].group_address.remote())
         before = engine.generate(GenerationRequest(tuple(prompt), 12)).token_ids
         state = target.new_state()
         target.prefill(state, prompt)
-        ray.kill(target.ranks[1], no_restart=True)
+        ray.kill(target.group.ranks[1], no_restart=True)
         began = time.monotonic()
         with pytest.raises(RanksFailed):
             target.forward_tree(state, TokenTree.root_only(3))
@@ -125,13 +131,140 @@ def test_failed_rank_fails_fast_and_group_is_rebuilt(ray_session, tiny_args):
         with pytest.raises(StateLost):
             target.forward_tree(state, TokenTree.root_only(3))
         assert engine.generate(GenerationRequest(tuple(prompt), 12)).token_ids == before
-        assert target.generation == 2
+        assert target.group.generation == 2
     finally:
         engine.target.shutdown()
 
 
-def test_grpc_generation_with_tensor_parallel_verifier(serving, tiny_args, tiny_models):
-    """A second Serve application whose verifier is 2 ranks: the same ids as tp=1 and generate."""
+# -- continuous batching over the ranks ---------------------------------------------------------
+
+
+def test_every_target_has_the_target_protocol_signatures():
+    """Plain, paged (in-process or over ranks: the same class) and tensor-parallel targets."""
+    from actors.tensor_parallel import TensorParallelTarget
+    from engine.paged_models import PagedTarget
+    from engine.target import Target, TargetModel
+
+    methods = [name for name in dir(Target) if not name.startswith("_")]
+    assert set(methods) == {"new_state", "prefill", "forward_tree", "commit", "release", "shutdown"}
+    for target in (TargetModel, PagedTarget, TensorParallelTarget):
+        for name in methods:
+            expected = list(inspect.signature(getattr(Target, name)).parameters)
+            assert list(inspect.signature(getattr(target, name)).parameters) == expected, (target, name)
+
+
+@pytest.fixture(scope="module")
+def batched_engines(ray_session, tiny_args):
+    """(tp=1, tp=2) in-process engines whose targets are PagedTargets built by the verifier's
+    build_target: a PagedModel here, and a TensorParallelPagedModel (pool storage on 2 ranks)."""
+    from actors.targets import build_target
+    from cluster.build import build_engine
+    from engine.generate import SpeculativeEngine
+    from settings.config import EngineConfig
+
+    base = build_engine(EngineConfig.model_validate(tiny_args))  # its drafters: 2 SSMs and n-gram
+    engines = []
+    for args in (tiny_args, tp_args(tiny_args, batching=True)):
+        target, _ = build_target(EngineConfig.model_validate(args), expected=lambda: 0)
+        engines.append(SpeculativeEngine(target, base.drafters, base.tokenizer, base.eos_ids))
+    yield engines
+    engines[1].target.shutdown()
+
+
+def run_concurrently(engine, requests: list[GenerationRequest]) -> list[list[int]]:
+    """Each request on its own thread; the first forwards of all of them share one packed forward."""
+    engine.target.batcher.hold_next(len(requests))  # sharing made certain, not a matter of timing
+    return run_threads(engine, requests, delays=[0.0] * len(requests))
+
+
+BATCHES = [  # concurrent requests: (prompt, max_new_tokens, speculation)
+    [(list(range(40, 60)), 30, SpeculationOptions(expansion=(2, 2, 1))),
+     (list(range(100, 104)), 21, SpeculationOptions(mode="sequence", sequence_depth=3)),
+     ([7, 7, 7, 9, 7, 7, 7], 25, SpeculationOptions(expansion=(3, 1, 1, 1), proposers=("ngram",)))],
+    [(list(range(70, 120)), 17, SpeculationOptions(mode="incremental")),
+     (list(range(10, 14)), 26, SpeculationOptions(expansion=(2, 1, 1), min_confidence=0.1))],
+]
+
+
+@pytest.mark.parametrize("batch", BATCHES, ids=["three", "two"])
+def test_batched_tp2_equals_batched_tp1_and_generate(batched_engines, tiny_models, batch):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_models["target"]).eval()
+    expected = [reference_greedy(reference, prompt, n) for prompt, n, _ in batch]
+    requests = [GenerationRequest(tuple(prompt), n, speculation=spec) for prompt, n, spec in batch]
+    for engine in batched_engines:
+        before = engine.target.batcher.counters.forwards
+        assert run_concurrently(engine, requests) == expected
+        counters = engine.target.batcher.counters
+        assert counters.largest >= len(batch) and counters.forwards > before, counters
+        assert engine.target.pool.counts() == (engine.target.pool.num_blocks,) * 3  # every block came back
+
+
+def test_packed_logits_tp2_match_tp1(batched_engines):
+    """Three sequences in one packed forward, a commit of a non-first branch, then another."""
+    from engine.packed import ForwardItem, chain_item
+    from engine.tree import ancestor_mask, positions
+
+    models = [engine.target.batcher.model for engine in batched_engines]
+    prompts = [list(range(10, 10 + n)) for n in (5, 23, 2)]
+    tree = TokenTree(torch.tensor([5, 6, 7, 8, 9, 10, 11]), torch.tensor([-1, 0, 0, 1, 1, 2, 5]))
+    results = []
+    for model in models:
+        sequences = [PagedSequence(model.pool) for _ in prompts]
+        logits = model.forward([chain_item(s, p) for s, p in zip(sequences, prompts)])
+        for sequence, prompt in zip(sequences, prompts):
+            sequence.keep(list(range(len(prompt))))
+        for _ in range(2):
+            items = [ForwardItem(s, tree.tokens, positions(tree.parents, s.length), ancestor_mask(tree.parents),
+                                 torch.arange(tree.size)) for s in sequences]
+            logits += model.forward(items)
+            for sequence in sequences:
+                sequence.keep([0, 2, 5, 6])
+        results.append(torch.cat([x.cpu() for x in logits]))
+        for sequence in sequences:
+            sequence.release()
+    assert (results[0] - results[1]).abs().max().item() < 1e-4
+
+
+def test_killed_rank_fails_batch_fast_and_rebuilt_group_serves(batched_engines, tiny_models):
+    """Kill rank 1: the next packed forward fails within seconds with RanksFailed; a request of the
+    old group then fails alone (StateLost) while a new request in the same forward is served by
+    the rebuilt group; every block comes back. Runs last: it restarts the module's group."""
+    import ray
+
+    from actors.common import StateLost
+    from actors.rank_group import RanksFailed
+    from engine.packed import chain_item
+
+    model = batched_engines[1].target.batcher.model
+    pool, group = model.pool, model.group
+    address = ray.get(group.ranks[0].group_address.remote())
+    old = PagedSequence(pool, reserve_tokens=64)
+    model.forward([chain_item(old, list(range(20, 40)))])
+    old.keep(list(range(20)))
+    ray.kill(group.ranks[1], no_restart=True)
+    began = time.monotonic()
+    with pytest.raises(RanksFailed):
+        model.forward([chain_item(old, [5])])
+    assert time.monotonic() - began < 10
+    assert not glob.glob(f"/dev/shm/deepspeed_*_{address[0]}_{address[1]}_*")
+    old.truncate(old.length)
+    new = PagedSequence(pool, reserve_tokens=64)
+    lost, served = model.forward([chain_item(old, [5]), chain_item(new, list(range(20, 40)))])
+    assert isinstance(lost, StateLost) and isinstance(served, torch.Tensor) and group.generation == 2
+    old.release()
+    new.release()
+    assert pool.counts() == (pool.num_blocks,) * 3
+    request = GenerationRequest(tuple(range(50, 70)), 12)
+    assert run_concurrently(batched_engines[1], [request, request]) == [list(batched_engines[0].generate(request)
+                                                                            .token_ids)] * 2
+
+
+def test_grpc_batched_generation_with_tensor_parallel_verifier(serving, tiny_args, tiny_models):
+    """A second Serve application whose verifier is 2 ranks with batching on: two concurrent
+    requests share packed forwards and get the same ids as tp=1 and generate; blocks come back."""
+    import ray
     from ray import serve
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -139,20 +272,35 @@ def test_grpc_generation_with_tensor_parallel_verifier(serving, tiny_args, tiny_
     from cluster.serve_client import Client, build_request
 
     name = "specinfer-tp2"
-    serve.run(app_builder(tp_args(tiny_args)), name=name, route_prefix="/tp2", blocking=False)
+    serve.run(app_builder(tp_args(tiny_args, batching=True)), name=name, route_prefix="/tp2", blocking=False)
     try:
         with Client(serving, application=name) as client, Client(serving) as single:
             client.wait_ready(300)
+            verifier = serve.get_app_handle(name).actors.remote().result()["verifier"]
             target = AutoModelForCausalLM.from_pretrained(tiny_models["target"]).eval()
             tokenizer = AutoTokenizer.from_pretrained(tiny_models["target"])
-            for prompt, max_new_tokens in [("def tree(x):", 30), ("speculative inference", 21)]:
-                request = build_request(prompt, max_new_tokens=max_new_tokens)
-                reply = list(client.generate(request, timeout=120).token_ids)
+            prompts = [("def tree(x):", 30), ("speculative inference", 21)]
+            requests = [build_request(prompt, max_new_tokens=n) for prompt, n in prompts]
+            replies: list = [None] * len(requests)
+
+            def ask(index: int) -> None:
+                with Client(serving, application=name) as own:
+                    replies[index] = list(own.generate(requests[index], timeout=120).token_ids)
+
+            ray.get(verifier.hold_next_batch.remote(len(requests)))  # their prefills share a forward, certainly
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(requests))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(180)
+            assert ray.get(verifier.batch_counters.remote()).largest >= 2
+            for reply, request, (prompt, n) in zip(replies, requests, prompts):
                 assert reply == list(single.generate(request, timeout=120).token_ids)
-                assert reply == reference_greedy(target, tokenizer.encode(prompt), max_new_tokens)
+                assert reply == reference_greedy(target, tokenizer.encode(prompt), n)
+            free, unreserved, total = ray.get(verifier.pool_blocks.remote())
+            assert free == unreserved == total
     finally:
         serve.delete(name)
-
 
 @pytest.mark.gpu
 def test_two_gpu_ranks_over_nccl_match_single_process(engines, tiny_args):
