@@ -26,5 +26,5 @@ Glossary of dimension letters used in tensor shape comments (``# [N, V]``):
     D  head dimension
 """
 
-__all__ = ["tree", "models", "kv", "draft", "merge", "verify", "sampling", "target", "generate", "kv_pool", "packed",
-           "batcher", "paged_models", "budget", "text"]
+__all__ = ["tree", "models", "kv", "draft", "merge", "verify", "sampling", "target", "requests", "step", "generate",
+           "kv_pool", "packed", "batcher", "paged_models", "budget", "text"]
