@@ -106,7 +106,7 @@ def paged_step(paged: PagedModel, prefixes: list[int], repeats: int) -> tuple[fl
             sequence.truncate(sequence.length)
 
     ms = median_ms(step, repeats)
-    per_slot = sum(k.element_size() * k[0].numel() * 2 for k in paged.pool.keys)
+    per_slot = sum(k.element_size() * k[0].numel() * 2 for k in paged.runner.storage.keys)
     held = sum(len(s.blocks) for s in sequences) * paged.pool.block_size * per_slot
     for sequence in sequences:
         sequence.release()
@@ -125,7 +125,7 @@ def main() -> None:
     set_threads(config.torch_threads)
     model = load_configured(config, config.target).model
     target = TargetModel(model)
-    paged = PagedModel(model, BlockPool.for_model(model, 8192, 16))
+    paged = PagedModel(model, BlockPool.for_tokens(8192, 16))
     curve = {size: time_packed_forward(paged, size, repeats=args.repeats) for size in (1, 2, 4, 8, 16, 32, 64)}
     print("verify-cost curve (packed forward, 256 prefix):", {k: round(v) for k, v in curve.items()}, flush=True)
     rows = []
