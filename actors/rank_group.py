@@ -32,7 +32,6 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.build import load_configured
 from settings.config import EngineConfig
 from engine.kv_pool import KVStorage
 from engine.packed import PackedBatch, PackedRunner
@@ -40,6 +39,7 @@ from engine.target import TargetModel
 from engine.tree import TokenTree
 
 from .common import StateLost, setup_process
+from .loading import load_configured
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from cluster.build import load_configured
 from settings.config import EngineConfig
 from engine.paged_models import PagedDrafter
 from engine.draft import ModelDrafter
@@ -19,6 +18,7 @@ from engine.step import Assignment, Drafted, draft_with
 from .guard import Guard, make_dropper
 from .targets import batching_parts
 from .common import HoldsRequests, Vocabulary, setup_process, sweep_interval, sync_history, vocabulary
+from .loading import load_configured
 from .store import RequestStore, start_sweeper
 
 

@@ -1,6 +1,7 @@
 """What the verifier runs as its target, and the pool + batcher of any batched model.
 
-``build_target`` chooses from the config:
+``build_target`` chooses from the config (``load_target``: the unbatched rows, which the
+in-process engine of ``cluster.build`` uses too):
 
     tensor_parallel_size  batching  target
     1                     off       TargetModel: a DynamicCache per request
@@ -14,16 +15,18 @@ from __future__ import annotations
 
 from typing import Callable
 
-from cluster.build import load_configured, load_target, model_spec
+import ray
+
 from settings.config import EngineConfig
 from engine.batcher import ForwardBatcher
 from engine.kv_pool import BlockPool, kv_heads
 from engine.models import LoadedModel, load_header
 from engine.packed import PackedModel, PagedModel
 from engine.paged_models import PagedTarget
-from engine.target import Target
+from engine.target import Target, TargetModel
 
-from .tensor_parallel import TensorParallelPagedModel
+from .loading import load_configured, model_spec
+from .tensor_parallel import TensorParallelPagedModel, TensorParallelTarget
 
 
 def batcher_for(config: EngineConfig, model: PackedModel, expected: Callable[[], int]) -> ForwardBatcher:
@@ -47,6 +50,23 @@ def check_shardable(model_config, tensor_parallel_size: int) -> None:
         raise ValueError(f"verifier.tensor_parallel_size {tensor_parallel_size} with batching needs the target's "
                          f"{heads} key/value heads to split evenly over the ranks; use a divisor of {heads} or "
                          "server.batching.enabled: false")
+
+
+def load_target(config: EngineConfig, name_prefix: str = "specinfer",
+                namespace: str | None = None) -> tuple[Target, LoadedModel]:
+    """The unbatched target and a LoadedModel for its tokenizer and configs.
+
+    With ``verifier.tensor_parallel_size`` > 1 the weights load in rank actors, so Ray must be
+    initialised (the verifier actor runs in Ray; ``cluster.build.build_engine`` starts it); this
+    process then loads the tokenizer and configs only (the LoadedModel's model is a header).
+    """
+    if config.verifier.tensor_parallel_size == 1:
+        loaded = load_configured(config, config.target)
+        return TargetModel(loaded.model), loaded
+    if not ray.is_initialized():
+        raise RuntimeError("a tensor-parallel target needs Ray: start or join a Ray cluster first")
+    header = load_header(model_spec(config, config.target))
+    return TensorParallelTarget(config, header.model, name_prefix, namespace), header
 
 
 def build_target(config: EngineConfig, expected: Callable[[], int], name_prefix: str = "specinfer",

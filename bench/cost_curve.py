@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from cluster.build import load_configured, set_threads
+from actors.loading import load_configured
+from cluster.build import set_threads
 from settings.config import load_config
 from engine import kv
 from engine.target import TargetModel

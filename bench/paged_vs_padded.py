@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster.build import load_configured, set_threads  # noqa: E402
+from actors.loading import load_configured  # noqa: E402
+from cluster.build import set_threads  # noqa: E402
 from settings.config import load_config  # noqa: E402
 from engine import kv  # noqa: E402
 from engine.paged_models import time_packed_forward  # noqa: E402

@@ -123,7 +123,7 @@ def load_tokenizer(config: EngineConfig):
     """The target's tokenizer alone (no weights): enough to build and key the workload."""
     from transformers import AutoTokenizer
 
-    from cluster.build import model_spec
+    from actors.loading import model_spec
     from engine.models import pretrained_args
 
     source, kwargs = pretrained_args(model_spec(config, config.target))

@@ -1,65 +1,23 @@
-"""Build engine objects from the validated config (plain values go into ``engine``)."""
+"""Build the in-process engine from the validated config (plain values go into ``engine``).
+
+Model loading itself is ``actors.loading`` / ``actors.targets`` (the actors load the same way).
+"""
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
+from actors.loading import load_configured
+from actors.targets import load_target
 from engine.draft import ModelDrafter, NgramDrafter
-from engine.requests import SpeculationOptions
 from engine.generate import SpeculativeEngine
-from engine.models import (LoadedModel, ModelSpec, check_same_vocabulary, eos_token_ids, load_header, load_model,
-                           quantize_int8, truncate_layers)
-from engine.target import TargetModel
+from engine.models import check_same_vocabulary, eos_token_ids
+from engine.requests import SpeculationOptions
+from settings.config import EngineConfig
 
-from settings.config import EngineConfig, ModelConfig
-
-logger = logging.getLogger(__name__)
-
-
-def model_spec(config: EngineConfig, model: ModelConfig) -> ModelSpec:
-    return ModelSpec(
-        name=model.name,
-        source=config.resolve_source(model.source),
-        dtype=model.dtype or config.dtype,
-        trust_remote_code=model.trust_remote_code,
-        gguf_file=model.gguf_file,
-        revision=model.revision,
-        device=config.device,
-    )
-
-
-def load_configured(config: EngineConfig, model: ModelConfig) -> LoadedModel:
-    """Load one model and apply its layer truncation / quantization."""
-    loaded = load_model(model_spec(config, model))
-    if model.num_layers:
-        truncate_layers(loaded.model, model.num_layers)
-    if model.quantize == "int8":
-        loaded = LoadedModel(loaded.spec, quantize_int8(loaded.model), loaded.tokenizer)
-    return loaded
-
-
-def load_target(config: EngineConfig, name_prefix: str = "specinfer", namespace: str | None = None):
-    """The target as (TargetModel or TensorParallelTarget, LoadedModel for its tokenizer and configs).
-
-    With ``verifier.tensor_parallel_size`` > 1 the weights load in the rank actors (Ray must be
-    initialised); this process loads the tokenizer and configs only.
-    """
-    if config.verifier.tensor_parallel_size == 1:
-        loaded = load_configured(config, config.target)
-        return TargetModel(loaded.model), loaded
-    import ray
-
-    from actors.tensor_parallel import TensorParallelTarget
-
-    if not ray.is_initialized():
-        from .cli_serve import start_local_ray
-
-        start_local_ray(os.environ.get("RAY_ADDRESS"))
-    header = load_header(model_spec(config, config.target))
-    return TensorParallelTarget(config, header.model, name_prefix, namespace), header
+from .local_ray import start_local_ray
 
 
 def close_engine(engine: SpeculativeEngine) -> None:
@@ -80,8 +38,14 @@ def speculation_options(config: EngineConfig) -> SpeculationOptions:
 
 
 def build_engine(config: EngineConfig) -> SpeculativeEngine:
-    """Load the target and every SSM, check one vocabulary, and assemble the in-process engine."""
+    """Load the target and every SSM, check one vocabulary, and assemble the in-process engine.
+
+    A tensor-parallel target runs its ranks as Ray actors: a local Ray node is started (or
+    ``RAY_ADDRESS`` joined) unless Ray is already initialised.
+    """
     set_threads(config.torch_threads)
+    if config.verifier.tensor_parallel_size > 1:
+        _ensure_ray()
     target_model, target = load_target(config)
     drafters: list = []
     for index, ssm_config in enumerate(config.ssms):
@@ -92,3 +56,10 @@ def build_engine(config: EngineConfig) -> SpeculativeEngine:
         n = config.ngram
         drafters.append(NgramDrafter(len(drafters), n.name, n.max_ngram, n.min_ngram, n.max_tokens, n.max_matches))
     return SpeculativeEngine(target_model, drafters, target.tokenizer, eos_token_ids(target))
+
+
+def _ensure_ray() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        start_local_ray(os.environ.get("RAY_ADDRESS"))

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from .cli_generate import add_sampling_arguments
+from .local_ray import start_local_ray
 from settings.config import APP_NAME, engine_section, read_yaml
 
 DEFAULT_SERVE_CONFIG = "configs/serve.yaml"
@@ -81,35 +82,6 @@ def load_serve_config(path: str | Path, grpc_port: int | None = None, no_batchin
         args.setdefault("server", {}).setdefault("batching", {})["enabled"] = False
     ServeDeploySchema.model_validate(data)
     return data
-
-
-def start_local_ray(address: str | None = None, num_cpus: float | None = None,
-                    object_store_memory: int | None = None) -> None:
-    """Join ``address``, or start a local node bound to 127.0.0.1 without dashboard or usage stats."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if not address:
-        _loopback_only()
-    import ray
-
-    if address:
-        ray.init(address=address)
-        return
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", num_cpus=num_cpus,
-             object_store_memory=object_store_memory)
-
-
-def _loopback_only() -> None:
-    """Make a local Ray node advertise (and its servers bind) 127.0.0.1 only.
-
-    Ray 2.60 rewrites ``_node_ip_address="127.0.0.1"`` to the host's routable address
-    (``services.resolve_ip_for_localhost``) unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which
-    it reads at import: set the variable (the raylet and workers inherit it) and, when ray is
-    already imported, its constant. Local runs only: a cluster joined by address is left alone.
-    """
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    constants = sys.modules.get("ray._private.ray_constants")
-    if constants is not None:
-        constants.ENABLE_RAY_CLUSTER = False
 
 
 def deploy(serve_config: dict) -> str:

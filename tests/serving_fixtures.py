@@ -126,7 +126,7 @@ def ray_session():
     """
     import ray
 
-    from cluster.cli_serve import start_local_ray
+    from cluster.local_ray import start_local_ray
 
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     # Workers push metrics to the node's agent every second (default 10 s): tests/test_metrics.py

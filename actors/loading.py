@@ -1,0 +1,36 @@
+"""Load a configured model: the config's model entry -> ``engine.models`` spec -> a LoadedModel.
+
+Used by the actors (SSM, verifier, tensor-parallel ranks) and by ``cluster.build`` for the
+in-process engine. Example::
+
+    config = load_config("configs/default.yaml")
+    ssm = load_configured(config, config.ssms[0])   # truncated / int8-quantized as configured
+"""
+
+from __future__ import annotations
+
+from engine.models import LoadedModel, ModelSpec, load_model, quantize_int8, truncate_layers
+from settings.config import EngineConfig, ModelConfig
+
+
+def model_spec(config: EngineConfig, model: ModelConfig) -> ModelSpec:
+    """Where ``model`` comes from, with the engine-wide defaults (dtype, device, models dir) filled in."""
+    return ModelSpec(
+        name=model.name,
+        source=config.resolve_source(model.source),
+        dtype=model.dtype or config.dtype,
+        trust_remote_code=model.trust_remote_code,
+        gguf_file=model.gguf_file,
+        revision=model.revision,
+        device=config.device,
+    )
+
+
+def load_configured(config: EngineConfig, model: ModelConfig) -> LoadedModel:
+    """Load one model and apply its layer truncation / quantization."""
+    loaded = load_model(model_spec(config, model))
+    if model.num_layers:
+        truncate_layers(loaded.model, model.num_layers)
+    if model.quantize == "int8":
+        loaded = LoadedModel(loaded.spec, quantize_int8(loaded.model), loaded.tokenizer)
+    return loaded
