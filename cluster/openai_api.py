@@ -6,7 +6,7 @@
 
 Both POST routes accept ``stream: true`` (server-sent events: ``data: {...}`` chunks, then
 ``data: [DONE]``). A request becomes the same ``GenerateRequest`` the gRPC service takes and runs
-through the same ingress method (``SpecInferIngress._generate``): same checks, same actors, same
+through the same ingress method (``SpecInferIngress.generate_updates``): same checks, same actors, same
 output. ``usage`` carries the token counts plus ``speculation`` (the request's GenerationStats).
 
 Mapping: ``max_tokens`` / ``max_completion_tokens`` -> max_new_tokens, ``temperature``, ``top_p``,
@@ -38,6 +38,7 @@ from protos import specinfer_pb2 as pb
 
 from .metrics import RequestObservation
 from .serve_requests import CHILDREN, MODES, InvalidArgument
+from .status import status_name
 
 logger = logging.getLogger(__name__)
 
@@ -323,8 +324,6 @@ def invalid_argument(error: InvalidArgument, call: ParsedCall) -> OpenAIError:
 
 def error_for(error: BaseException, call: ParsedCall) -> OpenAIError:
     """The HTTP answer to an exception raised by the ingress (its metrics status, as HTTP)."""
-    from .serve_app import status_name
-
     if isinstance(error, InvalidArgument):
         return invalid_argument(error, call)
     status = status_name(error)
@@ -413,8 +412,8 @@ def sse(obj: dict | str) -> str:
 def build_app(ingress) -> FastAPI:
     """The FastAPI app of one ingress replica (``SpecInferIngress.__serve_build_asgi_app__``).
 
-    ``ingress`` provides ``config`` (the served model's name) and ``_generate(request, context,
-    observation)``, the async generator of engine StepUpdates the gRPC methods use.
+    ``ingress`` provides ``config`` (the served model's name) and ``generate_updates(request,
+    context, observation)``, the async generator of engine StepUpdates the gRPC methods use.
     """
     app = FastAPI(title="specinfer OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     model_name = ingress.config.target.name
@@ -466,7 +465,7 @@ def build_app(ingress) -> FastAPI:
     async def answer(call: ParsedCall):
         responder = Responder(call, model_name)
         observation = RequestObservation("openai")
-        updates = ingress._generate(call.request, None, observation)
+        updates = ingress.generate_updates(call.request, None, observation)
         if call.stream:
             return await stream(call, responder, observation, updates)
         text, token_ids, last = [], [], None

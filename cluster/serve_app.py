@@ -8,7 +8,7 @@ See docs/serving.md for the reasoning.
 
 The same deployment is also the application's HTTP ingress: Serve's HTTP proxy hands it the
 OpenAI-compatible routes of ``cluster.openai_api`` (``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``), which run through the same ``_generate`` as the gRPC methods. Every request is
+``/v1/models``), which run through the same ``generate_updates`` as the gRPC methods. Every request is
 counted in the Prometheus metrics of ``cluster.metrics``.
 
     serve run configs/serve.yaml            # import_path: cluster.serve_app:app_builder
@@ -16,22 +16,18 @@ counted in the Prometheus metrics of ``cluster.metrics``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from contextlib import aclosing, contextmanager
 from typing import AsyncIterator
 
-import grpc
 import torch
 from grpc_health.v1 import health_pb2
 from ray import serve
-from ray.exceptions import RayActorError
 from ray.serve.grpc_util import RayServegRPCContext
 
 from actors.group import ActorGroup, check_ready, launch
 from actors.backend import ActorBackend, Admission
-from actors.verifier import StateLost
 from engine.budget import budget_from_curve
 from engine.requests import StepUpdate
 from engine.step import Session, plan_proposers, tree_reservation
@@ -42,63 +38,9 @@ from .build import speculation_options
 from settings.config import APP_NAME, EngineConfig
 from .metrics import RequestObservation, ServingMetrics, observed
 from .serve_requests import InvalidArgument, ModelLimits, finish_reason, parse_request, stats_message
+from .status import BUSY, Overloaded, grpc_status, status_name
 
 logger = logging.getLogger(__name__)
-
-
-class Overloaded(RuntimeError):
-    """More requests in flight than server.max_concurrent_requests."""
-
-
-BUSY = (Overloaded, PoolExhausted)  # RESOURCE_EXHAUSTED: too many requests, or no KV memory for one
-
-
-@contextmanager
-def grpc_status(context: RayServegRPCContext | None):
-    """Map exceptions to gRPC status codes on the Serve gRPC context, then re-raise.
-
-    Serve forwards a code set before raising (as ``gRPCStatusError``) to the client with its
-    details; it also logs the traceback, so the unary method answers the client's own mistakes
-    (bad argument, overload) by returning with the code set instead. Cancellation (client gone,
-    deadline passed) is a BaseException and passes through.
-    """
-    try:
-        yield
-    except InvalidArgument as error:
-        _set_status(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        raise
-    except BUSY as error:
-        _set_status(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(getattr(error, "cause", None) or error))
-        raise
-    except (RayActorError, StateLost) as error:
-        _set_status(context, grpc.StatusCode.UNAVAILABLE, f"a model actor failed: {error}")
-        raise
-    except Exception as error:
-        logger.exception("request failed")
-        _set_status(context, grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
-        raise
-
-
-def _set_status(context: RayServegRPCContext | None, code: grpc.StatusCode, details: str) -> None:
-    if context is not None:
-        context.set_code(code)
-        context.set_details(details)
-
-
-def status_name(error: BaseException) -> str:
-    """The gRPC status name a request that ended with ``error`` gets (as ``grpc_status`` sets it).
-
-    A passed deadline reaches the replica as a cancellation, like a client cancel: CANCELLED.
-    """
-    if isinstance(error, InvalidArgument):
-        return "INVALID_ARGUMENT"
-    if isinstance(error, BUSY):
-        return "RESOURCE_EXHAUSTED"
-    if isinstance(error, (RayActorError, StateLost)):
-        return "UNAVAILABLE"
-    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-        return "CANCELLED"
-    return "INTERNAL"
 
 
 @serve.deployment(name="SpecInferIngress", ray_actor_options={"num_cpus": 0.1})
@@ -132,7 +74,7 @@ class SpecInferIngress:
                        grpc_context: RayServegRPCContext | None = None) -> pb.GenerateResponse:
         text, token_ids, last = [], [], None
         try:
-            async with aclosing(self._generate(request, grpc_context)) as updates:
+            async with aclosing(self.generate_updates(request, grpc_context)) as updates:
                 async for update in updates:
                     text.append(update.text)
                     token_ids.extend(update.token_ids)
@@ -146,7 +88,7 @@ class SpecInferIngress:
 
     async def GenerateStream(self, request: pb.GenerateRequest,
                              grpc_context: RayServegRPCContext | None = None) -> AsyncIterator[pb.GenerateChunk]:
-        async with aclosing(self._generate(request, grpc_context)) as updates:  # closed even if abandoned
+        async with aclosing(self.generate_updates(request, grpc_context)) as updates:  # closed even if abandoned
             async for update in updates:
                 chunk = pb.GenerateChunk(text=update.text, token_ids=update.token_ids)
                 if update.finish_reason is not None:
@@ -161,8 +103,8 @@ class SpecInferIngress:
     async def Watch(self, request: health_pb2.HealthCheckRequest) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
-    async def _generate(self, request: pb.GenerateRequest, context,
-                        observation: RequestObservation | None = None) -> AsyncIterator[StepUpdate]:
+    async def generate_updates(self, request: pb.GenerateRequest, context,
+                               observation: RequestObservation | None = None) -> AsyncIterator[StepUpdate]:
         """Admit, check, run; the request's state is released in every actor however it ends.
 
         ``observation`` (default: a gRPC one) collects what the metrics record when it ends; the

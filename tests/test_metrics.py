@@ -102,7 +102,7 @@ def test_record_counts_a_request_from_its_stats():
 
 
 def test_refused_and_cancelled_requests_are_counted_by_status():
-    from cluster.serve_app import Overloaded, status_name
+    from cluster.status import Overloaded, status_name
     from cluster.serve_requests import InvalidArgument
 
     metrics = fake_metrics()
