@@ -5,11 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 
 from engine.models import LoadedModel
+
+DEFAULT_EXTENSIONS_DIR = "~/.cache/specinfer/torch_extensions"
 
 
 @dataclass(frozen=True)
@@ -41,9 +44,26 @@ def sync_history(history: list[int], start: int, new_tokens: list[int]) -> None:
 
 
 def setup_process(torch_threads: int) -> None:
-    """Ray sets OMP_NUM_THREADS=1 in workers; take the configured thread count explicitly."""
+    """Ray sets OMP_NUM_THREADS=1 in workers; take the configured thread count explicitly.
+
+    Also points JIT-built torch extensions (DeepSpeed's CPU all-reduce) at the cache directory.
+    """
     torch.set_num_threads(torch_threads)
+    os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir(os.environ.get("TORCH_EXTENSIONS_DIR"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def extensions_dir(configured: str | None) -> str:
+    """The absolute directory torch builds extensions in: ``configured``, or the specinfer cache.
+
+    torch builds in ``$TORCH_EXTENSIONS_DIR/<name>``, so an empty value builds in the working
+    directory: for a local Ray node, the checkout the driver ran in (``deepspeed_shm_comm/`` once
+    got committed that way). Empty or unset means the default.
+
+    >>> extensions_dir("/tmp/ext"), extensions_dir("") == os.path.expanduser(DEFAULT_EXTENSIONS_DIR)
+    ('/tmp/ext', True)
+    """
+    return os.path.abspath(os.path.expanduser(configured or DEFAULT_EXTENSIONS_DIR))
 
 
 def vocabulary(loaded: LoadedModel) -> Vocabulary:

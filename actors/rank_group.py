@@ -38,12 +38,10 @@ from engine.packed import PackedBatch, PackedRunner
 from engine.target import TargetModel
 from engine.tree import TokenTree
 
-from .common import StateLost, setup_process
+from .common import DEFAULT_EXTENSIONS_DIR, StateLost, setup_process
 from .loading import load_configured
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_EXTENSIONS_DIR = "~/.cache/specinfer/torch_extensions"
 
 
 class RanksFailed(StateLost):
