@@ -40,11 +40,6 @@ LAYER_RULES = [
               import_time_only=True),
 ]
 
-# Cycles that exist today and are being removed elsewhere; each entry names who removes it.
-KNOWN_CYCLES = {
-    frozenset({"cluster.bench", "cluster.bench_load"}): "removed by the bench package move",
-}
-
 
 @dataclass(frozen=True)
 class Edge:
@@ -234,7 +229,7 @@ def test_layer_rule(rule):
 
 def test_no_import_cycles():
     graph = graph_of(EDGES)
-    cycles = [c for c in strongly_connected(graph) if frozenset(c) not in KNOWN_CYCLES]
+    cycles = strongly_connected(graph)
     messages = [f"{', '.join(sorted(c))}, for instance:\n    " + describe_cycle(shortest_cycle(graph, min(c)))
                 for c in cycles]
     assert not cycles, "import cycles between our modules:\n  " + "\n\n  ".join(messages)
