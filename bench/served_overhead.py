@@ -62,7 +62,8 @@ def in_process(engine, prompt: str, chat: bool, max_new_tokens: int) -> dict:
     stats = result.stats
     return {"token_ids": list(result.token_ids), "ms_per_token": stats.ms_per_token,
             "wall_ms_per_token": wall / stats.new_tokens, "steps": stats.target_steps - 1,
-            "hop_ms": dict(stats.hop_ms), "new_tokens": stats.new_tokens}
+            "hop_ms": dict(stats.hop_ms), "new_tokens": stats.new_tokens,
+            "draft_ms": stats.draft_ms, "verify_ms": stats.verify_ms}
 
 
 def served(client, prompt: str, chat: bool, max_new_tokens: int) -> dict:
@@ -76,7 +77,8 @@ def served(client, prompt: str, chat: bool, max_new_tokens: int) -> dict:
     stats = stats_dict(response.stats)
     return {"token_ids": list(response.token_ids), "ms_per_token": stats["ms_per_token"],
             "wall_ms_per_token": wall / stats["new_tokens"], "steps": stats["target_steps"] - 1,
-            "hop_ms": stats.get("hop_ms", {}), "new_tokens": stats["new_tokens"]}
+            "hop_ms": stats.get("hop_ms", {}), "new_tokens": stats["new_tokens"],
+            "draft_ms": stats["draft_ms"], "verify_ms": stats["verify_ms"]}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -98,9 +100,13 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def hop_profile(runs: list[dict]) -> dict:
+    """Mean ms per verify step by hop, plus the ingress-side split (drafting incl. its calls, verify)."""
     steps = sum(r["steps"] for r in runs) or 1
     hops = {hop for r in runs for hop in r["hop_ms"]}
-    return {hop: sum(r["hop_ms"].get(hop, 0.0) for r in runs) / steps for hop in sorted(hops)}
+    profile = {hop: sum(r["hop_ms"].get(hop, 0.0) for r in runs) / steps for hop in sorted(hops)}
+    for key in ("draft_ms", "verify_ms"):
+        profile[f"caller_{key}"] = sum(r[key] for r in runs) / steps
+    return profile
 
 
 def main() -> int:
