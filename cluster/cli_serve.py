@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .cli_generate import add_sampling_arguments
 from .local_ray import start_local_ray
-from settings.config import APP_NAME, engine_section, read_yaml
+from settings.config import APP_NAME, EngineConfig, engine_section, read_yaml
 
 DEFAULT_SERVE_CONFIG = "configs/serve.yaml"
 logger = logging.getLogger(__name__)
@@ -111,6 +111,15 @@ def _import_attr(path: str):
     return getattr(importlib.import_module(module), attr)
 
 
+def drain_serving(timeout_s: float, application: str = APP_NAME) -> int:
+    """Ask the ingress to drain (new requests get UNAVAILABLE) and wait up to ``timeout_s`` for the
+    running ones to finish. Returns how many still ran. Reaches one replica: `specinfer serve`
+    runs one; Serve's graceful shutdown covers the others (cluster.serve_app.app_builder)."""
+    from ray import serve
+
+    return serve.get_app_handle(application).drain.remote(timeout_s).result(timeout_s=timeout_s + 30.0)
+
+
 def stop_serving() -> None:
     import ray
     from ray import serve
@@ -124,7 +133,8 @@ def run_serve(args) -> int:
     apps = [a.get("name") for a in serve_config.get("applications", [])]
     if APP_NAME not in apps:
         raise ValueError(f"{args.config}: no application named {APP_NAME!r} (found {apps})")
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    drain_s = EngineConfig.model_validate(engine_section(serve_config, args.config)).server.drain_timeout_s
     object_store = args.object_store_mb * 2**20 if args.object_store_mb else None
     start_local_ray(args.ray_address, args.num_cpus, object_store)
     try:
@@ -133,6 +143,11 @@ def run_serve(args) -> int:
               "Ray Serve's gRPC proxy listens on all interfaces); Ctrl-C stops", flush=True)
         while True:
             time.sleep(1.0)
+    except Terminated:
+        print(f"specinfer: SIGTERM: draining (up to {drain_s:g} s, server.drain_timeout_s)", flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM does not cut the drain short
+        left = drain_serving(drain_s)
+        print(f"specinfer: drained ({left} requests still running); stopping", flush=True)
     except KeyboardInterrupt:
         print("specinfer: stopping", flush=True)
     finally:
@@ -140,8 +155,12 @@ def run_serve(args) -> int:
     return 0
 
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: drain running requests, then stop (Ctrl-C stops at once)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
 
 
 # --- client -------------------------------------------------------------------------------

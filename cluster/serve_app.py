@@ -38,7 +38,7 @@ from .build import speculation_options
 from settings.config import APP_NAME, EngineConfig
 from .metrics import RequestObservation, ServingMetrics, observed
 from .serve_requests import InvalidArgument, ModelLimits, finish_reason, parse_request, stats_message
-from .status import BUSY, Overloaded, grpc_status, status_name
+from .status import BUSY, Draining, Overloaded, grpc_status, status_name
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class SpecInferIngress:
         if self.budget is not None:
             logger.info("tree budget: %d tree tokens per pass (verify-cost curve %s)", self.budget.cap, curve)
         self.limits = ModelLimits(self.group.names, self.group.neural, info.max_context)
-        self.active = 0
+        self.active, self.draining = 0, False
         self.metrics = ServingMetrics()
         self.metrics.running(0)
 
@@ -79,7 +79,7 @@ class SpecInferIngress:
                     text.append(update.text)
                     token_ids.extend(update.token_ids)
                     last = update
-        except (InvalidArgument, *BUSY):
+        except (InvalidArgument, Draining, *BUSY):
             if grpc_context is None:
                 raise
             return pb.GenerateResponse()  # the status set on grpc_context is the answer
@@ -147,6 +147,9 @@ class SpecInferIngress:
     @contextmanager
     def _admitted(self):
         limit = self.config.server.max_concurrent_requests
+        if self.draining:
+            raise Draining("server draining: it is shutting down and admits no new requests; retry on another "
+                           "replica or later")
         if self.active >= limit:
             raise Overloaded(f"server busy: {self.active} requests in flight, server.max_concurrent_requests "
                              f"is {limit}; retry later")
@@ -157,6 +160,22 @@ class SpecInferIngress:
         finally:
             self.active -= 1
             self.metrics.running(self.active)
+
+    async def drain(self, timeout_s: float | None = None) -> int:
+        """Refuse new requests (UNAVAILABLE) and wait up to ``timeout_s`` (default
+        server.drain_timeout_s) for the running ones to finish. Returns how many still run.
+
+        `specinfer serve` calls it on SIGTERM before stopping Serve; Serve's own graceful shutdown
+        (redeploys, scale-down) waits for running requests too (``app_builder``), and ``__del__``
+        sets the flag for whatever arrives meanwhile.
+        """
+        self.draining = True
+        deadline = asyncio.get_running_loop().time() + (
+            self.config.server.drain_timeout_s if timeout_s is None else timeout_s)
+        while self.active and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        logger.info("drained: %d requests still running", self.active)
+        return self.active
 
     def num_active(self) -> int:
         """Requests in flight on this replica (for tests and metrics)."""
@@ -169,6 +188,7 @@ class SpecInferIngress:
         return handles
 
     def __del__(self):
+        self.draining = True
         group = getattr(self, "group", None)
         if group is not None:
             try:
@@ -181,8 +201,11 @@ def app_builder(args: dict) -> serve.Application:
     """Serve application builder: ``args`` is the engine config (configs/default.yaml's fields).
 
     The deployment accepts more requests than server.max_concurrent_requests so that our own
-    admission control, not Serve's queue, answers overload (RESOURCE_EXHAUSTED).
+    admission control, not Serve's queue, answers overload (RESOURCE_EXHAUSTED). A replica that
+    Serve stops (redeploy, scale-down, shutdown) waits up to server.drain_timeout_s for its running
+    requests (``graceful_shutdown_timeout_s``; Serve checks every ``graceful_shutdown_wait_loop_s``).
     """
     config = EngineConfig.model_validate(args or {})
-    limit = config.server.max_concurrent_requests
-    return SpecInferIngress.options(max_ongoing_requests=4 * limit + 16).bind(config)
+    limit, drain = config.server.max_concurrent_requests, config.server.drain_timeout_s
+    return SpecInferIngress.options(max_ongoing_requests=4 * limit + 16, graceful_shutdown_timeout_s=drain,
+                                    graceful_shutdown_wait_loop_s=1.0).bind(config)

@@ -29,6 +29,10 @@ class Overloaded(RuntimeError):
     """More requests in flight than server.max_concurrent_requests."""
 
 
+class Draining(RuntimeError):
+    """The replica is shutting down: running requests finish, new ones are refused (UNAVAILABLE)."""
+
+
 BUSY = (Overloaded, PoolExhausted)  # RESOURCE_EXHAUSTED: too many requests, or no KV memory for one
 
 
@@ -48,6 +52,9 @@ def grpc_status(context: RayServegRPCContext | None):
         raise
     except BUSY as error:
         _set_status(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(getattr(error, "cause", None) or error))
+        raise
+    except Draining as error:
+        _set_status(context, grpc.StatusCode.UNAVAILABLE, str(error))
         raise
     except (RayActorError, StateLost) as error:
         _set_status(context, grpc.StatusCode.UNAVAILABLE, f"a model actor failed: {error}")
@@ -73,7 +80,7 @@ def status_name(error: BaseException) -> str:
         return "INVALID_ARGUMENT"
     if isinstance(error, BUSY):
         return "RESOURCE_EXHAUSTED"
-    if isinstance(error, (RayActorError, StateLost)):
+    if isinstance(error, (RayActorError, StateLost, Draining)):
         return "UNAVAILABLE"
     if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
         return "CANCELLED"

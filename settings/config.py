@@ -120,6 +120,8 @@ class ServerConfig(Strict):
     merge_actor: ActorOptions = ActorOptions(num_cpus=0.1, torch_threads=1)
     batching: BatchingConfig = BatchingConfig()
     tree_budget: TreeBudgetConfig = TreeBudgetConfig()
+    drain_timeout_s: float = Field(default=30.0, ge=0.0,
+                                   description="on SIGTERM or a redeploy, running requests get this long to finish")
 
 
 class EngineConfig(Strict):
@@ -142,7 +144,21 @@ class EngineConfig(Strict):
         names = [m.name for m in self.ssms] + ([self.ngram.name] if self.ngram else [])
         if len(set(names)) != len(names):
             raise ValueError(f"SSM names must be unique, got {names}")
+        self._threads_fit_requests()
         return self
+
+    def _threads_fit_requests(self) -> None:
+        """Each running request has one call at a time in each actor (draft, merge, prefill or
+        verify), and a call holds one of the actor's ``max_concurrency`` threads while it runs: with
+        fewer threads than requests, calls queue and every packed forward waits out its window for
+        requests that cannot enter. Releases and monitoring calls need threads too (use ~1.5x)."""
+        limit, server = self.server.max_concurrent_requests, self.server
+        for name, options in (("verifier.actor", self.verifier.actor), ("server.ssm_actor", server.ssm_actor),
+                              ("server.merge_actor", server.merge_actor)):
+            if options.max_concurrency < limit:
+                raise ValueError(f"{name}.max_concurrency ({options.max_concurrency}) is below "
+                                 f"server.max_concurrent_requests ({limit}): each running request has a call in "
+                                 f"every actor; give the actors about 1.5x as many threads ({limit * 3 // 2})")
 
     def resolved_models_dir(self) -> Path:
         return Path(os.environ.get("SPECINFER_MODELS") or self.models_dir).expanduser()
