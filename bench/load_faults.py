@@ -124,7 +124,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
     args = parser.parse_args(argv)
 
-    from cluster.cli_serve import deploy, load_serve_config, start_local_ray, stop_serving
+    from cluster.cli_serve import deploy, load_serve_config, stop_serving
+    from cluster.local_ray import start_local_ray
     from cluster.serve_client import Client
     from settings.config import APP_NAME
 
