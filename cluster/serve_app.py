@@ -16,6 +16,7 @@ counted in the Prometheus metrics of ``cluster.metrics``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from contextlib import aclosing, contextmanager
