@@ -62,10 +62,12 @@ class ForwardBatcher:
         """Make the next batch wait until ``count`` forwards are queued, whatever the timing.
 
         For tests and benchmarks that must see requests share a forward: the sharing is then
-        certain, not a matter of scheduling. The caller must make sure ``count`` forwards come.
+        certain, not a matter of scheduling. The caller must make sure ``count`` forwards come,
+        or lift the hold with ``hold_next(0)`` (a count no step reaches freezes every request).
         """
         with self._cond:
             self._hold = count
+            self._cond.notify_all()
 
     @contextmanager
     def participant(self) -> Iterator[None]:

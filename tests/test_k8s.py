@@ -829,8 +829,6 @@ def _models(**changes):
     ("tensor parallel 2 needs 3 GPUs",
      lambda o: (_args(o)["verifier"].update(tensor_parallel_size=2),
                 _args(o).setdefault("server", {}).update(batching={"enabled": False})), "worker.gpus"),
-    ("tensor parallel with batching", lambda o: _args(o)["verifier"].update(tensor_parallel_size=2),
-     "tensor_parallel_size 1"),
     ("models_dir off the volume", lambda o: _args(o).update(models_dir="/data"),
      "mount_path"),
     ("loopback http", lambda o: o["serve"]["http_options"].update(host="127.0.0.1"), "0.0.0.0"),

@@ -19,7 +19,7 @@ import pytest
 from bench.load_faults import concurrency_for, load_args
 from cluster.serve_client import Client, build_request
 from serving_fixtures import local_engine, ray_session, serving, tiny_args, tiny_models  # noqa: F401  (fixtures)
-from test_serving import LONG, local_result, wait_until
+from test_serving import LONG, local_result, reserve_the_pool, wait_until
 
 LOAD_APP = "specinfer-load"
 STREAMS = 32
@@ -164,30 +164,34 @@ def test_random_cancels_and_disconnects_release_every_state(load_app):
 
 @pytest.mark.ray
 def test_overload_beyond_admission_and_deadlines_under_load(load_app):
-    """Long streams fill the KV pool (it holds fewer than 32 of them): the next one waits and gets
-    RESOURCE_EXHAUSTED, a request with a short deadline ends DEADLINE_EXCEEDED quickly, the actors
-    live on and every state is released."""
+    """Streams run, then every target forward is frozen (hold_next_batch) and the rest of the KV
+    pool is reserved by a request that never steps, so the pool is certainly full: the next request
+    waits and gets RESOURCE_EXHAUSTED, one with a short deadline ends DEADLINE_EXCEEDED, and after
+    the freeze is lifted the actors live on and every state is released."""
+    import ray
+
     address, handle = load_app
-    calls, refused = [], None
+    verifier = handle.actors.remote().result()["verifier"]
     with Client(address, LOAD_APP) as client:
+        calls = [client.stream(build_request(PROMPTS[i % len(PROMPTS)] + str(i), max_new_tokens=LONG), timeout=300)
+                 for i in range(8)]
+        holder = None
         try:
-            for index in range(STREAMS):
-                call = client.stream(build_request(PROMPTS[index % len(PROMPTS)] + str(index), max_new_tokens=LONG),
-                                     timeout=300)
-                try:
-                    next(call)
-                except grpc.RpcError as error:
-                    refused = error
-                    break
-                calls.append(call)
-            assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
-            assert "KV memory" in refused.details() and len(calls) < STREAMS
-            began = time.monotonic()
+            for call in calls:
+                next(call)  # admitted and prefilled: the load is running
+            ray.get(verifier.hold_next_batch.remote(10**6))  # no step runs until the hold is lifted
+            holder = reserve_the_pool(verifier)
+            with pytest.raises(grpc.RpcError) as refused:
+                client.generate(build_request("over the pool", max_new_tokens=LONG), timeout=60)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "KV memory" in refused.value.details()
             with pytest.raises(grpc.RpcError) as caught:
                 client.generate(build_request("deadline", max_new_tokens=LONG), timeout=0.5)
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert time.monotonic() - began < 10
         finally:
+            ray.get(verifier.hold_next_batch.remote(0))
+            if holder is not None:
+                ray.get(verifier.release.remote(holder))
             for call in calls:
                 call.cancel()
         assert wait_until(lambda: settled(handle), timeout_s=RELEASE_BOUND_S), held(handle)
