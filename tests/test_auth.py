@@ -88,7 +88,7 @@ def test_request_id_on_every_log_line_of_a_request(caplog):
 
 
 def test_trust_remote_code_is_off_unless_a_model_sets_it():
-    from cluster.build import model_spec
+    from actors.loading import model_spec
     from engine.models import pretrained_args
 
     config = EngineConfig.model_validate({"target": {"name": "t", "source": "org/model"},
