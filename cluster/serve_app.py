@@ -22,6 +22,7 @@ import uuid
 from contextlib import aclosing, contextmanager
 from typing import AsyncIterator
 
+import grpc
 import torch
 from grpc_health.v1 import health_pb2
 from ray import serve

@@ -314,6 +314,24 @@ def test_openai_bodies(http_base, route, data):  # noqa: F811
     check_http("http bodies", status, raw)
 
 
+VALID_COMPLETION = st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=30), "max_tokens": SHORT}, optional={
+    "model": st.just(MODEL), "temperature": st.sampled_from([0, 0.5, 1.0]), "top_p": st.sampled_from([0.5, 1]),
+    "top_k": st.integers(0, 50), "seed": st.integers(0, 2**31), "stop": st.lists(st.text(max_size=5), max_size=4),
+    "stream": st.booleans(), "return_token_ids": st.booleans(),
+    "speculation": st.fixed_dictionaries({}, optional={
+        "mode": st.sampled_from(["tree", "sequence", "incremental"]), "ssms": st.sampled_from([["ssm-a"], ["ngram"]]),
+        "expansion": st.lists(st.integers(1, 3), min_size=1, max_size=3)})})
+
+
+@pytest.mark.ray
+@settings(FUZZ, max_examples=25)
+@given(body=VALID_COMPLETION)
+def test_openai_plausible_bodies(http_base, body):  # noqa: F811
+    """Bodies that are mostly valid, so the 200 path (and streaming) is fuzzed too."""
+    status, raw = post(f"{http_base}/v1/completions", json.dumps(body).encode())
+    check_http("http plausible", status, raw)
+
+
 MALFORMED_JSON = [b"", b"{", b'{"prompt": }', b"[1, 2", b"nul", b"\xff\xfe{}", b"[" * 100_000, b'{"a":' * 50_000,
                   b'"just a string"', b"42", b"null", b'{"prompt": "\\ud800"}', b'{"prompt": "a", "prompt": 3}']
 
