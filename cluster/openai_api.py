@@ -17,7 +17,8 @@ default, not OpenAI's 1.0). Unsupported parameters set to anything but their neu
 1, ``logprobs``, ``top_logprobs``, penalties, ``logit_bias``, ``best_of`` > 1, ``echo``, ``suffix``,
 tools...) and bad values get HTTP 400 with an OpenAI error body
 ``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``; an unknown model 404;
-overload 429 (with Retry-After); a failed model actor 503; anything else 500.
+overload 429 (with Retry-After); a failed model actor 503; anything else 500. With authentication
+on (``cluster.auth``) every ``/v1`` route needs ``Authorization: Bearer <token>``, else 401.
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protos import specinfer_pb2 as pb
 
+from .auth import Unauthenticated, check_header
 from .metrics import RequestObservation
-from .serve_requests import CHILDREN, MODES, InvalidArgument
+from .serve_requests import CHILDREN, MODES, InvalidArgument, shorten
 from .status import status_name
 
 logger = logging.getLogger(__name__)
@@ -46,10 +48,10 @@ MODE_VALUES = {name: value for value, name in MODES.items()}
 CHILDREN_VALUES = {name: value for value, name in CHILDREN.items()}
 SPECULATION_KEYS = ("mode", "expansion", "ssms", "children", "sequence_depth")
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}  # "abort": vLLM's word
-HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503,
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503,
                "CANCELLED": 499, "INTERNAL": 500}
 STATUS_OF_HTTP = {code: name for name, code in HTTP_STATUS.items()}
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                429: "rate_limit_error", 503: "server_error", 500: "server_error"}
 
 # Parameters we cannot honour: each is accepted only at its neutral value (``None`` always is).
@@ -82,6 +84,7 @@ class OpenAIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type_: str | None = None):
+        message, param = _printable(message), None if param is None else _printable(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or ERROR_TYPES.get(status, "server_error")
@@ -90,12 +93,18 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status == 429 else None
+        headers = {429: {"Retry-After": "1"}, 401: {"WWW-Authenticate": "Bearer"}}.get(self.status)
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates (from JSON ``"\\ud800"`` quoted in a message) escaped: the JSON
+    response is UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def invalid(param: str, message: str, code: str = "invalid_value") -> OpenAIError:
-    return OpenAIError(400, f"{param}: {message}", param=param, code=code)
+    return OpenAIError(400, f"{param}: {shorten(message)}", param=param, code=code)
 
 
 @dataclass(frozen=True)
@@ -132,7 +141,10 @@ def _number(body: dict, key: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise invalid(key, f"must be a number, got {value!r}", "invalid_type")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond float range
+        raise invalid(key, f"out of range: {value}") from None
 
 
 def _boolean(body: dict, key: str) -> bool:
@@ -141,6 +153,16 @@ def _boolean(body: dict, key: str) -> bool:
         return False
     if not isinstance(value, bool):
         raise invalid(key, f"must be a boolean, got {value!r}", "invalid_type")
+    return value
+
+
+def _text(value: str, param: str) -> str:
+    """A string the gRPC request can carry: proto3 strings are UTF-8, so no lone surrogates
+    (JSON's ``"\\ud800"`` decodes to one)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise invalid(param, f"is not valid Unicode: {error.reason} at position {error.start}") from None
     return value
 
 
@@ -170,9 +192,9 @@ def _stop(body: dict) -> list[str]:
     if stop is None:
         return []
     if isinstance(stop, str):
-        return [stop]
+        return [_text(stop, "stop")]
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return list(stop)
+        return [_text(s, f"stop[{index}]") for index, s in enumerate(stop)]
     raise invalid("stop", f"must be a string or a list of strings, got {stop!r}", "invalid_type")
 
 
@@ -189,11 +211,11 @@ def _speculation(body: dict, request: pb.GenerateRequest) -> None:
     s = request.speculation
     s.SetInParent()
     if spec.get("mode") is not None:
-        if spec["mode"] not in MODE_VALUES:
+        if not isinstance(spec["mode"], str) or spec["mode"] not in MODE_VALUES:
             raise invalid("speculation.mode", f"must be one of {list(MODE_VALUES)}, got {spec['mode']!r}")
         s.mode = MODE_VALUES[spec["mode"]]
     if spec.get("children") is not None:
-        if spec["children"] not in CHILDREN_VALUES:
+        if not isinstance(spec["children"], str) or spec["children"] not in CHILDREN_VALUES:
             raise invalid("speculation.children",
                           f"must be one of {list(CHILDREN_VALUES)}, got {spec['children']!r}")
         s.children = CHILDREN_VALUES[spec["children"]]
@@ -207,7 +229,7 @@ def _speculation(body: dict, request: pb.GenerateRequest) -> None:
     if ssms is not None:
         if not (isinstance(ssms, list) and all(isinstance(name, str) for name in ssms)):
             raise invalid("speculation.ssms", f"must be a list of SSM names, got {ssms!r}", "invalid_type")
-        s.ssms.extend(ssms)
+        s.ssms.extend(_text(name, f"speculation.ssms[{index}]") for index, name in enumerate(ssms))
     depth = _integer(spec, "sequence_depth", "speculation.sequence_depth")
     if depth is not None:
         _assign(s, "sequence_depth", depth, "speculation.sequence_depth")
@@ -258,7 +280,7 @@ def completion_call(body: Any, model_name: str) -> ParsedCall:
         raise invalid("prompt", "token-id prompts are not supported; send text", "unsupported_parameter")
     if not isinstance(prompt, str):
         raise invalid("prompt", f"must be a string, got {prompt!r}", "invalid_type")
-    request = pb.GenerateRequest(prompt=prompt)
+    request = pb.GenerateRequest(prompt=_text(prompt, "prompt"))
     _sampling(body, request, _integer(body, "max_tokens"), "max_tokens")
     stream = _boolean(body, "stream")
     return ParsedCall(request, False, stream, _stream_options(body, stream), _boolean(body, "return_token_ids"),
@@ -270,14 +292,14 @@ def _content(message: dict, index: int) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return _text(content, f"messages[{index}].content")
     if isinstance(content, list):
         texts = []
         for part in content:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise invalid(f"messages[{index}].content", f"only text parts are supported, got {part!r}",
                               "unsupported_parameter")
-            texts.append(part["text"])
+            texts.append(_text(part["text"], f"messages[{index}].content"))
         return "\n".join(texts)
     raise invalid(f"messages[{index}].content", f"must be a string or a list of text parts, got {content!r}",
                   "invalid_type")
@@ -299,7 +321,7 @@ def chat_call(body: Any, model_name: str) -> ParsedCall:
         role = message.get("role")
         if not isinstance(role, str):
             raise invalid(f"messages[{index}].role", f"must be a string, got {role!r}", "invalid_type")
-        request.messages.add(role=role, content=_content(message, index))
+        request.messages.add(role=_text(role, f"messages[{index}].role"), content=_content(message, index))
     param = "max_completion_tokens" if _present(body, "max_completion_tokens") else "max_tokens"
     _sampling(body, request, _integer(body, param), param)
     stream = _boolean(body, "stream")
@@ -418,6 +440,16 @@ def build_app(ingress) -> FastAPI:
     app = FastAPI(title="specinfer OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     model_name = ingress.config.target.name
     started = int(time.time())
+    token = getattr(ingress, "auth_token", None)
+
+    def authenticated(request: Request) -> None:
+        """The /v1 routes' bearer check (cluster.auth); /health is exempt."""
+        try:
+            check_header(request.headers.get("authorization"), token)
+        except Unauthenticated as error:
+            raise OpenAIError(401, str(error), code="invalid_api_key") from None
+
+    v1 = [Depends(authenticated)]
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, error: OpenAIError):
@@ -431,11 +463,11 @@ def build_app(ingress) -> FastAPI:
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": started, "owned_by": "specinfer"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=v1)
     async def list_models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", dependencies=v1)
     async def get_model(model: str):
         check_model({"model": model}, model_name)
         return model_card()
@@ -447,7 +479,7 @@ def build_app(ingress) -> FastAPI:
     async def read_json(request: Request) -> Any:
         try:
             return await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
             raise OpenAIError(400, "the request body is not valid JSON", code="invalid_json") from None
 
     def parse(parser, body: Any) -> ParsedCall:
@@ -514,11 +546,11 @@ def build_app(ingress) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=v1)
     async def completions(request: Request):
         return await answer(parse(completion_call, await read_json(request)))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(request: Request):
         return await answer(parse(chat_call, await read_json(request)))
 

@@ -22,6 +22,7 @@ import uuid
 from contextlib import aclosing, contextmanager
 from typing import AsyncIterator
 
+import grpc
 import torch
 from grpc_health.v1 import health_pb2
 from ray import serve
@@ -35,13 +36,24 @@ from engine.step import Session, plan_proposers, tree_reservation
 from engine.kv_pool import PoolExhausted
 from protos import specinfer_pb2 as pb
 
+from . import request_log
+from .auth import Unauthenticated, auth_token, check_metadata
 from .build import speculation_options
 from settings.config import APP_NAME, EngineConfig
 from .metrics import RequestObservation, ServingMetrics, observed
 from .serve_requests import InvalidArgument, ModelLimits, finish_reason, parse_request, stats_message
 from .status import BUSY, Draining, Overloaded, grpc_status, status_name
+from .wire import decode_request
 
 logger = logging.getLogger(__name__)
+
+
+def _serve_request_id() -> str | None:
+    """Serve's id of the request (``x-request-id`` / gRPC ``request_id`` metadata, or generated)."""
+    try:
+        return serve.context._get_serve_request_context().request_id
+    except Exception:  # outside a Serve request (tests calling the method directly)
+        return None
 
 
 @serve.deployment(name="SpecInferIngress", ray_actor_options={"num_cpus": 0.1})
@@ -51,7 +63,11 @@ class SpecInferIngress:
 
     async def __init__(self, config: EngineConfig):
         torch.set_num_threads(1)  # the ingress only tokenizes and counts
+        request_log.install()
         self.config, self.base_options = config, speculation_options(config)
+        self.auth_token = auth_token(config.server)
+        logger.info("authentication %s", f"on (bearer token from ${config.server.auth_token_env})"
+                    if self.auth_token else "off")
         replica = serve.get_replica_context()
         self.group: ActorGroup = launch(config, f"{APP_NAME}/{replica.replica_tag}")
         self.info = info = await check_ready(self.group)
@@ -71,8 +87,10 @@ class SpecInferIngress:
 
         return build_app(self)
 
-    async def Generate(self, request: pb.GenerateRequest,
+    async def Generate(self, request: pb.GenerateRequest | bytes,
                        grpc_context: RayServegRPCContext | None = None) -> pb.GenerateResponse:
+        if not self._authenticated(grpc_context):
+            return pb.GenerateResponse()  # UNAUTHENTICATED, set on grpc_context
         text, token_ids, last = [], [], None
         try:
             async with aclosing(self.generate_updates(request, grpc_context)) as updates:
@@ -87,8 +105,10 @@ class SpecInferIngress:
         return pb.GenerateResponse(text="".join(text), token_ids=token_ids,
                                    finish_reason=finish_reason(last.finish_reason), stats=stats_message(last.stats))
 
-    async def GenerateStream(self, request: pb.GenerateRequest,
+    async def GenerateStream(self, request: pb.GenerateRequest | bytes,
                              grpc_context: RayServegRPCContext | None = None) -> AsyncIterator[pb.GenerateChunk]:
+        if not self._authenticated(grpc_context):
+            raise Unauthenticated(grpc_context.details())  # Serve forwards the code set on grpc_context
         async with aclosing(self.generate_updates(request, grpc_context)) as updates:  # closed even if abandoned
             async for update in updates:
                 chunk = pb.GenerateChunk(text=update.text, token_ids=update.token_ids)
@@ -96,6 +116,20 @@ class SpecInferIngress:
                     chunk.finish_reason = finish_reason(update.finish_reason)
                     chunk.stats.CopyFrom(stats_message(update.stats))
                 yield chunk
+
+    def _authenticated(self, grpc_context: RayServegRPCContext | None) -> bool:
+        """False, with UNAUTHENTICATED set on the context, when auth is on and the call's metadata
+        lacks the token. Calls without a gRPC context come through a deployment handle (inside
+        the cluster) or the HTTP routes, which check their own header."""
+        if grpc_context is None:
+            return True
+        try:
+            check_metadata(grpc_context.invocation_metadata(), self.auth_token)
+        except Unauthenticated as error:
+            grpc_context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+            grpc_context.set_details(str(error))
+            return False
+        return True
 
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         """grpc.health.v1: SERVING once the replica (and so every actor) is up."""
@@ -112,15 +146,18 @@ class SpecInferIngress:
         OpenAI routes pass their own and read its prompt_tokens.
         """
         observation = observation if observation is not None else RequestObservation("grpc")
-        with observed(self.metrics, observation, status_name), grpc_status(context), self._admitted():
-            parsed = parse_request(request, self.config, self.base_options, self.tokenizer, self.limits)
+        request_id = uuid.uuid4().hex  # the actors' key for the request's state, and its log tag
+        with request_log.request_logging(request_id), observed(self.metrics, observation, status_name), \
+                grpc_status(context), self._admitted():
+            parsed = parse_request(decode_request(request), self.config, self.base_options, self.tokenizer,
+                                   self.limits)
             observation.admitted(len(parsed.prompt_ids))
-            request_id = uuid.uuid4().hex
             backend = ActorBackend(self.group, request_id, parsed.sampling, self._admission(parsed))
             session = Session(backend, parsed, self.group.names, self.group.neural, self.tokenizer, self.eos_ids,
                               self._tree_budget)
-            logger.info("request %s: %d prompt tokens, max_new_tokens %d, mode %s", request_id,
-                        len(parsed.prompt_ids), parsed.max_new_tokens, parsed.speculation.mode)
+            logger.info("request: %d prompt tokens, max_new_tokens %d, mode %s, %s (serve request id %s)",
+                        len(parsed.prompt_ids), parsed.max_new_tokens, parsed.speculation.mode, observation.api,
+                        _serve_request_id())
             try:
                 async for update in session.updates():
                     observation.update(update)

@@ -13,7 +13,7 @@ from engine.step import plan_proposers
 from engine.sampling import SamplingParams
 from protos import specinfer_pb2 as pb
 
-from settings.config import EngineConfig
+from settings.config import EngineConfig, ServerConfig
 
 MODES = {pb.SPECULATION_MODE_INCREMENTAL: "incremental", pb.SPECULATION_MODE_SEQUENCE: "sequence",
          pb.SPECULATION_MODE_TREE: "tree"}
@@ -21,19 +21,27 @@ CHILDREN = {pb.CHILDREN_RULE_TOP_K: "top_k", pb.CHILDREN_RULE_SAMPLED: "sampled"
             pb.CHILDREN_RULE_SAMPLED_WITHOUT_REPLACEMENT: "sampled_without_replacement"}
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "cancelled": pb.FINISH_REASON_CANCELLED}
-MAX_STOP_STRINGS = 16
 MAX_EXPANSION_DEPTH, MAX_EXPANSION_WIDTH, MAX_SEQUENCE_DEPTH = 32, 64, 32
+# Below these the float32 warp divides by (or compares with) zero: NaN probabilities.
+MIN_TEMPERATURE, MIN_TOP_P = 1e-3, 1e-6
+MAX_MESSAGE_CHARS = 1000  # error details quote values; a gRPC status must fit in the trailers
 
 
 class InvalidArgument(ValueError):
     """A request field out of range; ``str()`` names the field and what is allowed."""
 
     def __init__(self, field: str, message: str):
+        message = shorten(message)
         super().__init__(f"{field}: {message}")
         self.field, self.message = field, message
 
     def __reduce__(self):  # picklable: Ray ships it from the replica to the proxy
         return type(self), (self.field, self.message)
+
+
+def shorten(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """An error message cut to ``limit`` characters (it may quote a huge value)."""
+    return message if len(message) <= limit else f"{message[:limit - 15]}... ({len(message)} chars)"
 
 
 @dataclass(frozen=True)
@@ -50,10 +58,11 @@ def sampling_params(request: pb.GenerateRequest, config: EngineConfig) -> Sampli
     temperature = request.temperature if request.HasField("temperature") else d.temperature
     top_p = request.top_p if request.HasField("top_p") else d.top_p
     top_k = request.top_k if request.HasField("top_k") else d.top_k
-    if not (math.isfinite(temperature) and temperature >= 0.0):
-        raise InvalidArgument("temperature", f"must be >= 0 (0 is greedy), got {temperature}")
-    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
+    if not (math.isfinite(temperature) and (temperature == 0.0 or temperature >= MIN_TEMPERATURE)):
+        raise InvalidArgument("temperature", f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                              f"got {temperature}")
+    if not (math.isfinite(top_p) and MIN_TOP_P <= top_p <= 1.0):
+        raise InvalidArgument("top_p", f"must be in [{MIN_TOP_P}, 1], got {top_p}")
     if top_k < 0:
         raise InvalidArgument("top_k", f"must be >= 0 (0 disables top-k), got {top_k}")
     seed = request.seed if request.HasField("seed") else None
@@ -66,6 +75,8 @@ def speculation_options(request: pb.GenerateRequest, base: SpeculationOptions,
     if not request.HasField("speculation"):
         return base
     s = request.speculation
+    check_enum("speculation.mode", s.mode, MODES)
+    check_enum("speculation.children", s.children, CHILDREN)
     expansion = tuple(s.expansion) or base.expansion
     if len(expansion) > MAX_EXPANSION_DEPTH or any(not 1 <= k <= MAX_EXPANSION_WIDTH for k in expansion):
         raise InvalidArgument("speculation.expansion", f"needs 1..{MAX_EXPANSION_DEPTH} widths, each in "
@@ -84,6 +95,29 @@ def speculation_options(request: pb.GenerateRequest, base: SpeculationOptions,
     except ValueError as error:
         raise InvalidArgument("speculation", str(error)) from None
     return options
+
+
+def check_enum(field: str, value: int, known: dict[int, str]) -> None:
+    """Proto3 enums are open: a value the server does not know arrives as a bare number."""
+    if value and value not in known:
+        raise InvalidArgument(field, f"unknown enum value {value}; known: 0 (server default) or "
+                              f"{', '.join(f'{v} ({name})' for v, name in known.items())}")
+
+
+def check_sizes(request: pb.GenerateRequest, server: ServerConfig) -> None:
+    """Prompt and stop-string sizes against the server's limits, before anything is tokenized."""
+    chars = len(request.prompt) + sum(len(m.role) + len(m.content) for m in request.messages)
+    if chars > server.max_prompt_chars:
+        field = "messages" if request.messages and not request.prompt else "prompt"
+        raise InvalidArgument(field, f"{chars} characters; at most {server.max_prompt_chars} "
+                              "(server.max_prompt_chars)")
+    if len(request.stop) > server.max_stop_strings:
+        raise InvalidArgument("stop", f"at most {server.max_stop_strings} stop strings (server.max_stop_strings), "
+                              f"got {len(request.stop)}")
+    for index, stop in enumerate(request.stop):
+        if len(stop) > server.max_stop_string_chars:
+            raise InvalidArgument(f"stop[{index}]", f"{len(stop)} characters; at most "
+                                  f"{server.max_stop_string_chars} (server.max_stop_string_chars)")
 
 
 def prompt_ids(request: pb.GenerateRequest, tokenizer) -> list[int]:
@@ -137,8 +171,7 @@ def parse_request(request: pb.GenerateRequest, config: EngineConfig, base: Specu
     """Check every field (raising InvalidArgument) and build the engine's request."""
     sampling = sampling_params(request, config)
     options = speculation_options(request, base, limits)
-    if len(request.stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
+    check_sizes(request, config.server)
     ids = prompt_ids(request, tokenizer)
     budget = max_new_tokens(request, config, len(ids), limits.max_context)
     return GenerationRequest(tuple(ids), budget, sampling, options, tuple(s for s in request.stop if s))

@@ -80,8 +80,9 @@ def load_model(spec: ModelSpec, attn_implementation: str = "sdpa") -> LoadedMode
     source, kwargs = pretrained_args(spec)
     check_architecture(AutoConfig.from_pretrained(source, **kwargs), spec.name)
     logger.info("loading %s from %s (%s)", spec.name, spec.source, spec.dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=DTYPES[spec.dtype], attn_implementation=attn_implementation, **kwargs
+    model = AutoModelForCausalLM.from_pretrained(  # safetensors or GGUF only: no pickled .bin / .pt weights
+        source, dtype=DTYPES[spec.dtype], attn_implementation=attn_implementation,
+        use_safetensors=None if "gguf_file" in kwargs else True, **kwargs
     )
     model.to(resolve_device(spec.device)).eval()
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)

@@ -115,6 +115,13 @@ class TreeBudgetConfig(Strict):
 class ServerConfig(Strict):
     max_concurrent_requests: int = Field(default=8, ge=1)
     max_new_tokens_limit: int = Field(default=2048, ge=1)
+    max_prompt_chars: int = Field(default=262_144, ge=1,
+                                  description="prompt, or all messages' roles and contents, checked before tokenizing")
+    max_stop_strings: int = Field(default=16, ge=0)
+    max_stop_string_chars: int = Field(default=256, ge=1)
+    auth_token_env: str | None = Field(
+        default="SPECINFER_AUTH_TOKEN",
+        description="environment variable holding the bearer token; set and non-empty in the replica: auth is on")
     request_ttl_s: float = Field(default=600.0, gt=0.0)
     ssm_actor: ActorOptions = ActorOptions()
     merge_actor: ActorOptions = ActorOptions(num_cpus=0.1, torch_threads=1)
