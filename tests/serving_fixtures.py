@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,16 @@ def engine_args(paths: dict[str, Path], **server) -> dict:
                    # 604: two such requests do not fit at once, two of the 34/60-token PROMPTS do
                    "batching": {"kv_cache_tokens": 1152, "admission_timeout_s": 2.0}, **server},
     }
+
+
+def wait_until(predicate, timeout_s: float = 15.0, poll_s: float = 0.1) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout_s`` passes; its last answer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(poll_s)
+    return predicate()
 
 
 def free_port() -> int:
