@@ -55,7 +55,8 @@ def start(args: dict) -> tuple[str, object]:
     """Local Ray + Serve with free loopback ports; the gRPC address and the app's Serve handle."""
     from ray import serve
 
-    from cluster.cli_serve import deploy, load_serve_config, start_local_ray
+    from cluster.cli_serve import deploy, load_serve_config
+    from cluster.local_ray import start_local_ray
     from cluster.serve_client import Client
     from settings.config import APP_NAME
 
