@@ -27,6 +27,11 @@ class StateLost(RuntimeError):
     """An actor has no state for a request it never released (it or its ranks were restarted)."""
 
 
+class TargetUnavailable(StateLost):
+    """The verifier is down or restarting: a request fails fast (UNAVAILABLE, as for StateLost)
+    instead of waiting for the restart; the requests in flight lost their KV caches anyway."""
+
+
 class NeedsResync(RuntimeError):
     """An actor lacks the start of a request's committed tokens (it was restarted, or its state
     expired): the caller sends the whole history again (``start`` 0)."""

@@ -32,6 +32,12 @@ class ActorGroup:
     def everyone(self) -> list:
         return [*self.ssms, self.merge, self.verifier]
 
+    def roles(self) -> dict[str, object]:
+        """Handles by role: ``verifier``, ``merge``, ``ssm/<name>`` (the names ``Liveness`` uses)."""
+        handles = {"verifier": self.verifier, "merge": self.merge}
+        handles.update({ssm_role(name): actor for name, actor in zip(self.names, self.ssms)})
+        return handles
+
     def release(self, request_id: str) -> None:
         """Drop a request's state everywhere; fire and forget (safe inside a cancelled task)."""
         for actor in self.stateful():
@@ -44,6 +50,10 @@ class ActorGroup:
             logger.warning("verifier did not shut down cleanly", exc_info=True)
         for actor in self.everyone():
             ray.kill(actor, no_restart=True)
+
+
+def ssm_role(name: str) -> str:
+    return f"ssm/{name}"
 
 
 def _options(options: ActorOptions, name: str, namespace: str | None) -> dict:

@@ -434,8 +434,9 @@ def sse(obj: dict | str) -> str:
 def build_app(ingress) -> FastAPI:
     """The FastAPI app of one ingress replica (``SpecInferIngress.__serve_build_asgi_app__``).
 
-    ``ingress`` provides ``config`` (the served model's name) and ``generate_updates(request,
-    context, observation)``, the async generator of engine StepUpdates the gRPC methods use.
+    ``ingress`` provides ``config`` (the served model's name), ``generate_updates(request,
+    context, observation)``, the async generator of engine StepUpdates the gRPC methods use, and
+    ``health()`` (an ``actors.liveness.HealthReport``).
     """
     app = FastAPI(title="specinfer OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     model_name = ingress.config.target.name
@@ -474,7 +475,10 @@ def build_app(ingress) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {}
+        """200 while every model actor answers, 503 while one is dead or restarting."""
+        report = await ingress.health()
+        return JSONResponse({"status": "serving" if report.serving else "not serving", "down": list(report.down)},
+                            status_code=200 if report.serving else 503)
 
     async def read_json(request: Request) -> Any:
         try:

@@ -30,6 +30,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from actors.group import ActorGroup, check_ready, launch
 from actors.backend import ActorBackend, Admission
+from actors.liveness import HealthReport, Liveness
 from engine.budget import budget_from_curve
 from engine.requests import StepUpdate
 from engine.step import Session, plan_proposers, tree_reservation
@@ -77,6 +78,8 @@ class SpecInferIngress:
         if self.budget is not None:
             logger.info("tree budget: %d tree tokens per pass (verify-cost curve %s)", self.budget.cap, curve)
         self.limits = ModelLimits(self.group.names, self.group.neural, info.max_context)
+        health = config.server.health
+        self.liveness = Liveness(self.group.roles(), health.probe_timeout_s, health.retry_interval_s)
         self.active, self.draining = 0, False
         self.metrics = ServingMetrics()
         self.metrics.running(0)
@@ -132,11 +135,25 @@ class SpecInferIngress:
         return True
 
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
-        """grpc.health.v1: SERVING once the replica (and so every actor) is up."""
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        """grpc.health.v1: SERVING while every actor answers, NOT_SERVING while one is dead or
+        restarting (``actors.liveness``: probes cached for a second). ``service`` is not looked at."""
+        return health_pb2.HealthCheckResponse(status=_serving_status((await self.health()).serving))
 
     async def Watch(self, request: health_pb2.HealthCheckRequest) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        """The current status, once (the stream ends: a watch would hold a replica slot for good)."""
+        yield health_pb2.HealthCheckResponse(status=_serving_status((await self.health()).serving))
+
+    async def health(self) -> HealthReport:
+        """Whether every actor answers (also behind HTTP ``GET /health``)."""
+        return await self.liveness.report()
+
+    async def check_health(self) -> None:
+        """Serve's replica check: fails only when actors stay down past server.health.unhealthy_after_s
+        (a failing check replaces the replica and every actor it owns)."""
+        report, bound = await self.health(), self.config.server.health.unhealthy_after_s
+        if report.unhealthy_for_s > bound:
+            raise RuntimeError(f"actors {list(report.down)} down for {report.unhealthy_for_s:.0f} s "
+                               f"(server.health.unhealthy_after_s {bound:g})")
 
     async def generate_updates(self, request: pb.GenerateRequest, context,
                                observation: RequestObservation | None = None) -> AsyncIterator[StepUpdate]:
@@ -152,7 +169,7 @@ class SpecInferIngress:
             parsed = parse_request(decode_request(request), self.config, self.base_options, self.tokenizer,
                                    self.limits)
             observation.admitted(len(parsed.prompt_ids))
-            backend = ActorBackend(self.group, request_id, parsed.sampling, self._admission(parsed))
+            backend = ActorBackend(self.group, request_id, parsed.sampling, self.liveness, self._admission(parsed))
             session = Session(backend, parsed, self.group.names, self.group.neural, self.tokenizer, self.eos_ids,
                               self._tree_budget)
             logger.info("request: %d prompt tokens, max_new_tokens %d, mode %s, %s (serve request id %s)",
@@ -221,9 +238,11 @@ class SpecInferIngress:
 
     def actors(self) -> dict:
         """This replica's actor handles by role (for tests): verifier, merge, ssm/<name>."""
-        handles = {"verifier": self.group.verifier, "merge": self.group.merge}
-        handles.update({f"ssm/{name}": actor for name, actor in zip(self.group.names, self.group.ssms)})
-        return handles
+        return self.group.roles()
+
+    def recoveries(self) -> list:
+        """Actors that were marked down and answered again, with how long it took (for bench/faults.py)."""
+        return list(self.liveness.recoveries)
 
     def __del__(self):
         self.draining = True
@@ -233,6 +252,10 @@ class SpecInferIngress:
                 group.kill()
             except Exception:  # Ray may already be shutting down
                 pass
+
+
+def _serving_status(serving: bool) -> int:
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def app_builder(args: dict) -> serve.Application:

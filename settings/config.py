@@ -72,7 +72,7 @@ class ActorOptions(Strict):
 
     num_cpus: float = Field(default=0.5, ge=0.0)
     num_gpus: float = Field(default=0.0, ge=0.0)
-    max_restarts: int = Field(default=1, ge=-1)
+    max_restarts: int = Field(default=-1, ge=-1, description="-1: restart a killed actor every time")
     max_concurrency: int = Field(default=16, ge=1)
     torch_threads: int = Field(default=2, ge=1)
 
@@ -112,6 +112,15 @@ class TreeBudgetConfig(Strict):
     max_total_tokens: int = Field(default=128, ge=1, le=4096)
 
 
+class HealthConfig(Strict):
+    """How the ingress watches its actors (actors.liveness; docs/serving.md "Faults")."""
+
+    probe_timeout_s: float = Field(default=2.0, gt=0.0, description="an actor's `ready` must answer within this")
+    retry_interval_s: float = Field(default=2.0, gt=0.0, description="probe an actor marked down this often")
+    unhealthy_after_s: float = Field(default=120.0, gt=0.0,
+                                     description="Serve's check_health fails (replica replaced) after this long down")
+
+
 class ServerConfig(Strict):
     max_concurrent_requests: int = Field(default=8, ge=1)
     max_new_tokens_limit: int = Field(default=2048, ge=1)
@@ -129,6 +138,7 @@ class ServerConfig(Strict):
     tree_budget: TreeBudgetConfig = TreeBudgetConfig()
     drain_timeout_s: float = Field(default=30.0, ge=0.0,
                                    description="on SIGTERM or a redeploy, running requests get this long to finish")
+    health: HealthConfig = HealthConfig()
 
 
 class EngineConfig(Strict):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,16 @@ def engine_args(paths: dict[str, Path], **server) -> dict:
                    # served output is compared with the in-process engine (no budget), step for step.
                    "tree_budget": {"enabled": False}, **server},
     }
+
+
+def wait_until(predicate, timeout_s: float = 15.0, poll_s: float = 0.1) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout_s`` passes; its last answer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(poll_s)
+    return predicate()
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ import torch
 from cluster.serve_client import Client, build_request
 from protos import specinfer_pb2 as pb
 from serving_fixtures import (ingress, local_engine, ray_session, serving, tiny_args,  # noqa: F401  (fixtures)
-                              tiny_models)
+                              tiny_models, wait_until)
 
 SERVE_YAML = Path(__file__).resolve().parent.parent / "configs" / "serve.yaml"
 PROMPTS = ["Hello wörld, speculative decoding!", "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)"]
@@ -49,15 +49,6 @@ def local_result(engine, config_args, prompt=None, messages=(), max_new_tokens=2
     request = GenerationRequest(tuple(ids), max_new_tokens, SamplingParams(temperature, top_k, top_p, seed), options,
                                 tuple(stop))
     return ids, engine.generate(request)
-
-
-def wait_until(predicate, timeout_s: float = 15.0, poll_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(poll_s)
-    return predicate()
 
 
 def held_requests(ingress) -> dict[str, int]:  # noqa: F811

@@ -1,0 +1,222 @@
+"""Faults: model actors killed mid-request, and health that tells the truth.
+
+A dedicated Serve application (``specinfer-faults``, route prefix ``/faults``) next to the shared
+one, so the kills here never disturb other modules; it is deleted at the end. Every output is
+checked against the in-process engine in fp32 (greedy: the target's own output). Waits poll a
+condition until a generous deadline; a kill is made certain to land inside a request by checking
+afterwards that the ingress saw the failure (``recoveries``), so a kill that missed fails loudly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from cluster.serve_client import Client, build_request
+from serving_fixtures import (local_engine, ray_session, serving, tiny_args, tiny_models,  # noqa: F401  (fixtures)
+                              wait_until)
+
+APP = "specinfer-faults"
+PROMPT = "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)"
+LONG = 400  # new tokens: a request runs for 100+ steps, far longer than a kill takes to land
+RECREATED_WITHIN_S = 30.0  # issue 16: a killed SSM or merge actor is used again within this
+HEALTH = {"probe_timeout_s": 1.0, "retry_interval_s": 0.5, "unhealthy_after_s": 120.0}
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+
+def reference(engine, args: dict, prompt: str, max_new_tokens: int) -> list[int]:
+    """The in-process engine's greedy ids for the request (the served config's speculation)."""
+    from cluster.build import speculation_options
+    from engine.requests import GenerationRequest
+    from settings.config import EngineConfig
+
+    options = speculation_options(EngineConfig.model_validate(args))
+    ids = tuple(engine.tokenizer.encode(prompt))
+    return list(engine.generate(GenerationRequest(ids, max_new_tokens, speculation=options)).token_ids)
+
+
+def grpc_serving(client: Client) -> bool:
+    from grpc_health.v1 import health_pb2
+
+    reply = client.health.Check(health_pb2.HealthCheckRequest(), timeout=10, metadata=client.metadata)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return reply.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def kill(handle) -> None:
+    """Kill the actor's process; Ray restarts it (max_restarts -1)."""
+    import ray
+
+    ray.kill(handle, no_restart=False)
+
+
+def draft_count(app, role: str) -> int:
+    import ray
+
+    return len(ray.get(app.actors.remote().result()[role].draft_timings.remote(), timeout=30))
+
+
+def recoveries(app, role: str) -> int:
+    return sum(1 for r in app.recoveries.remote().result() if r.role == role)
+
+
+# --- fixtures ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def faults_app(serving, tiny_args):  # noqa: F811
+    """(gRPC client, Serve handle, HTTP health URL) of an application only this module uses."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    from cluster.serve_app import app_builder
+
+    args = {**tiny_args, "server": {**tiny_args["server"], "health": HEALTH}}
+    serve.run(app_builder(args), name=APP, route_prefix="/faults", blocking=False)
+    http = _get_global_client().http_config
+    try:
+        with Client(serving, application=APP) as client:
+            client.wait_ready(300)
+            yield client, serve.get_app_handle(APP), f"http://{http.host}:{http.port}/faults/health"
+    finally:
+        serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def expected(local_engine, tiny_args):  # noqa: F811
+    return reference(local_engine, tiny_args, PROMPT, LONG)
+
+
+# --- without Ray: the liveness logic ------------------------------------------------------
+
+
+class FakeActor:
+    """An actor handle whose ``ready`` answers, hangs (restarting) or fails (dead) on demand."""
+
+    def __init__(self, actor_id: str):
+        self.state, outer = "up", self
+
+        class _Id:
+            def hex(self):
+                return actor_id
+
+        class _Ready:
+            def remote(self):
+                async def answer():
+                    if outer.state == "restarting":
+                        await asyncio.sleep(3600)
+                    return "ok"
+                return answer()
+
+        self._actor_id, self.ready = _Id(), _Ready()
+
+
+def test_liveness_marks_probes_and_reports():
+    from ray.exceptions import RayActorError
+
+    from actors.liveness import Liveness
+
+    now = [0.0]
+    actors = {"verifier": FakeActor("v"), "ssm/a": FakeActor("a")}
+    liveness = Liveness(actors, probe_timeout_s=0.05, retry_interval_s=2.0, cache_s=1.0, clock=lambda: now[0])
+
+    async def scenario():
+        assert (await liveness.report()).serving
+        error = RayActorError()
+        error.actor_id = "a"
+        assert liveness.role_of(error) == "ssm/a"
+        actors["ssm/a"].state = "restarting"
+        liveness.failed("ssm/a")
+        assert not liveness.usable("ssm/a")  # starts a background probe: it hangs
+        await asyncio.sleep(0.2)
+        assert not liveness.usable("ssm/a") and liveness.recoveries == []
+        assert (await liveness.report()).serving  # cached for cache_s
+        now[0] = 1.5
+        report = await liveness.report()
+        assert not report.serving and report.down == ("ssm/a",)
+        now[0] = 3.0
+        assert (await liveness.report()).unhealthy_for_s == 1.5
+        actors["ssm/a"].state = "up"
+        assert not liveness.usable("ssm/a")  # a probe is due: it answers in the background
+        await asyncio.sleep(0.2)
+        assert liveness.usable("ssm/a") and [r.role for r in liveness.recoveries] == ["ssm/a"]
+        now[0] = 4.5
+        assert await liveness.report() == type(report)(True, (), 0.0)
+
+    asyncio.run(scenario())
+
+
+# --- served ----------------------------------------------------------------------------------
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("role", ["ssm/ssm-a", "merge"])
+def test_killed_ssm_or_merge_mid_stream_is_survived_and_used_again(faults_app, expected, role):
+    """Twice in a row: the stream ends with the reference tokens and no error; the actor answers
+    again within 30 s and drafts (SSM) or merges (the next request's tokens are right) again."""
+    client, app, _ = faults_app
+    for round_ in range(2):
+        before = recoveries(app, role)
+        call = client.stream(build_request(PROMPT, max_new_tokens=LONG), timeout=300)
+        ids = list(next(call).token_ids)
+        kill(app.actors.remote().result()[role])
+        killed = time.monotonic()
+        ids += [t for chunk in call for t in chunk.token_ids]
+        assert ids == expected, f"round {round_}"
+        assert wait_until(lambda: recoveries(app, role) > before, RECREATED_WITHIN_S), \
+            f"round {round_}: {role} was not seen failing and answering again within {RECREATED_WITHIN_S:g} s"
+        assert time.monotonic() - killed < RECREATED_WITHIN_S + 5
+        drafts = draft_count(app, "ssm/ssm-a")
+        reply = client.generate(build_request(PROMPT, max_new_tokens=LONG), timeout=300)
+        assert list(reply.token_ids) == expected
+        assert draft_count(app, "ssm/ssm-a") > drafts  # the SSM drafts again (after a restart too)
+
+
+@pytest.mark.ray
+def test_killed_verifier_fails_in_flight_fast_then_serves(faults_app, local_engine, tiny_args):  # noqa: F811
+    client, app, health_url = faults_app
+    call = client.stream(build_request(PROMPT, max_new_tokens=LONG), timeout=300)
+    next(call)
+    kill(app.actors.remote().result()["verifier"])
+    killed = time.monotonic()
+    with pytest.raises(grpc.RpcError) as failure:
+        for _ in call:
+            pass
+    assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, failure.value.details()
+    assert time.monotonic() - killed < 30, "in-flight request did not fail fast"
+    assert wait_until(lambda: grpc_serving(client) and http_status(health_url) == 200, 300, poll_s=0.5)
+    reply = client.generate(build_request("after the rebuild", max_new_tokens=24), timeout=300)
+    assert list(reply.token_ids) == reference(local_engine, tiny_args, "after the rebuild", 24)
+
+
+@pytest.mark.ray
+def test_health_not_serving_while_an_actor_is_down(faults_app):
+    """NOT_SERVING / 503 while a killed SSM restarts (its process starts and loads its model), then
+    SERVING / 200; Serve's check_health keeps passing (down far less than unhealthy_after_s)."""
+    client, app, health_url = faults_app
+    assert grpc_serving(client) and http_status(health_url) == 200
+    kill(app.actors.remote().result()["ssm/ssm-b"])
+    seen: set[str] = set()
+
+    def both_seen() -> bool:
+        seen.update({"NOT_SERVING"} if not grpc_serving(client) else set())
+        seen.update({"503"} if http_status(health_url) == 503 else set())
+        return seen == {"NOT_SERVING", "503"}
+
+    assert wait_until(both_seen, 30, poll_s=0.05), f"while the SSM restarted health answered only {seen or 'OK'}"
+    assert wait_until(lambda: grpc_serving(client) and http_status(health_url) == 200, 120, poll_s=0.5)
+    app.check_health.remote().result()
