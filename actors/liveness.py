@@ -71,9 +71,6 @@ class Liveness:
             self._down[role] = self.clock()
             self._next_probe[role] = self.clock()
 
-    def is_down(self, role: str) -> bool:
-        return role in self._down
-
     def usable(self, role: str) -> bool:
         """False while ``role`` is marked down; then starts a probe in the background when one is
         due, so no caller waits for a restarting actor."""

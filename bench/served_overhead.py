@@ -23,14 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
-PROMPTS = {  # the headline prompts (BENCHMARKS.md)
-    "code": ("def quicksort(arr):\n", False),
-    "prose": ("The history of the printing press begins", False),
-    "chat": ("Explain what a KV cache is in two sentences.", True),
-}
-
+from bench.headline import PROMPTS, encode  # the headline prompts (BENCHMARKS.md)
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -43,14 +36,6 @@ def start_server(config: str, port: int, log: Path) -> subprocess.Popen:
                "--no-batching"]
     with open(log, "w") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-
-
-def encode(tokenizer, text: str, chat: bool) -> list[int]:
-    if not chat:
-        return tokenizer.encode(text)
-    templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                              add_generation_prompt=True)
-    return tokenizer.encode(templated, add_special_tokens=False)
 
 
 def in_process(engine, prompt: str, chat: bool, max_new_tokens: int) -> dict:
@@ -119,20 +104,20 @@ def main() -> int:
     args = parser.parse_args()
     from cluster.build import build_engine
     from cluster.serve_client import Client
-    from settings.config import engine_section, load_config
+    from settings.config import load_config
 
     port, log = free_port(), Path(tempfile.gettempdir()) / "specinfer-served-overhead.log"
     server = start_server(args.config, port, log)
     try:
-        engine = build_engine(load_config(args.config))
+        config = load_config(args.config)
+        engine = build_engine(config)
         with Client(f"127.0.0.1:{port}") as client:
             client.wait_ready(args.ready_timeout)
             rows = run(engine, client, args.repeats, args.max_new_tokens)
     finally:
         server.send_signal(2)
         server.wait(120)
-    config = engine_section(yaml.safe_load(Path(args.config).read_text()), args.config)
-    result = {"config": args.config, "dtype": config.get("dtype"), "max_new_tokens": args.max_new_tokens,
+    result = {"config": args.config, "dtype": config.dtype, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "batching": False, "summary": summarize(rows), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
