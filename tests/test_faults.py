@@ -3,8 +3,9 @@
 A dedicated Serve application (``specinfer-faults``, route prefix ``/faults``) next to the shared
 one, so the kills here never disturb other modules; it is deleted at the end. Every output is
 checked against the in-process engine in fp32 (greedy: the target's own output). Waits poll a
-condition until a generous deadline; a kill is made certain to land inside a request by checking
-afterwards that the ingress saw the failure (``recoveries``), so a kill that missed fails loudly.
+condition until a generous deadline. A kill certainly lands inside a request: the verifier's
+forwards are frozen (``hold_next_batch``) while the actor is killed, so the stream cannot end
+first; afterwards the test checks that the ingress saw the failure (``recoveries``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,18 @@ def kill(handle) -> None:
     import ray
 
     ray.kill(handle, no_restart=False)
+
+
+def kill_mid_stream(app, role: str) -> None:
+    """Kill ``role`` while every running stream is frozen at its next target forward, so none can
+    finish before the kill lands; then let them go on (a killed verifier takes its hold with it)."""
+    import ray
+
+    actors = app.actors.remote().result()
+    ray.get(actors["verifier"].hold_next_batch.remote(10**6), timeout=30)
+    kill(actors[role])
+    if role != "verifier":
+        ray.get(actors["verifier"].hold_next_batch.remote(0), timeout=30)
 
 
 def draft_count(app, role: str) -> int:
@@ -125,6 +138,14 @@ class FakeActor:
         self._actor_id, self.ready = _Id(), _Ready()
 
 
+async def until(condition, timeout_s: float = 30.0) -> None:
+    """Yield to the event loop until ``condition()`` holds (background probes run meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
 def test_liveness_marks_probes_and_reports():
     from ray.exceptions import RayActorError
 
@@ -152,7 +173,7 @@ def test_liveness_marks_probes_and_reports():
         assert (await liveness.report()).unhealthy_for_s == 1.5
         actors["ssm/a"].state = "up"
         assert not liveness.usable("ssm/a")  # a probe is due: it answers in the background
-        await asyncio.sleep(0.2)
+        await until(lambda: liveness.recoveries)
         assert liveness.usable("ssm/a") and [r.role for r in liveness.recoveries] == ["ssm/a"]
         now[0] = 4.5
         assert await liveness.report() == type(report)(True, (), 0.0)
@@ -173,7 +194,7 @@ def test_killed_ssm_or_merge_mid_stream_is_survived_and_used_again(faults_app, e
         before = recoveries(app, role)
         call = client.stream(build_request(PROMPT, max_new_tokens=LONG), timeout=300)
         ids = list(next(call).token_ids)
-        kill(app.actors.remote().result()[role])
+        kill_mid_stream(app, role)
         killed = time.monotonic()
         ids += [t for chunk in call for t in chunk.token_ids]
         assert ids == expected, f"round {round_}"
@@ -191,7 +212,7 @@ def test_killed_verifier_fails_in_flight_fast_then_serves(faults_app, local_engi
     client, app, health_url = faults_app
     call = client.stream(build_request(PROMPT, max_new_tokens=LONG), timeout=300)
     next(call)
-    kill(app.actors.remote().result()["verifier"])
+    kill_mid_stream(app, "verifier")
     killed = time.monotonic()
     with pytest.raises(grpc.RpcError) as failure:
         for _ in call:
