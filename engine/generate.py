@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 from .draft import ModelDrafter, NgramDrafter
-from .requests import GenerationRequest, GenerationResult, StepUpdate
-from .step import (TARGET_STREAM, Assignment, Drafted, Session, StepOutcome, draft_with, first_token, iterate_sync,
+from .requests import GenerationRequest, GenerationResult, StepOutcome, StepUpdate
+from .step import (TARGET_STREAM, Assignment, Drafted, Session, draft_with, first_token, iterate_sync,
                    merge_drafts, verify_and_commit)
 from .sampling import make_generator
 from .target import Target

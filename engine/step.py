@@ -223,7 +223,7 @@ class Session:
         outcome = await self.backend.verify(drafted)  # verify + commit
         if outcome is None:
             return self._cancelled()
-        self._record(outcome, (time.perf_counter() - began) * 1e3)
+        record_step(self.stats, outcome, self.names, (time.perf_counter() - began) * 1e3)
         return self._emit(list(outcome.tokens))
 
     def close(self) -> None:
@@ -240,9 +240,6 @@ class Session:
         nodes = nodes if budget is None else min(budget, nodes)
         if nodes != self.planned_nodes:
             self._plan(nodes)
-
-    def _record(self, outcome: StepOutcome, wall_ms: float) -> None:
-        record_step(self.stats, outcome, self.names, wall_ms)
 
     def _emit(self, new: list[int]) -> StepUpdate:
         kept, chunk, reason = advance(self.text, self.stats, new, self.request.max_new_tokens, self.eos_ids)

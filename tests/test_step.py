@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from actors.common import NeedsResync, sync_history
 from actors.merge import MergeActor
 from engine.draft import CHILDREN_RULES, ModelDrafter, NgramDrafter
+from engine.merge import merge
 from engine.requests import SpeculationOptions
 from engine.sampling import SamplingParams, make_generator
 from engine.step import (Assignment, Drafted, draft_with, merge_drafts, plan_proposers, run_sync, step_outcome,
@@ -126,9 +127,15 @@ def test_merge_actor_keeps_plan_order_and_asks_for_a_resync():
     plan = (Assignment(0, spec), Assignment(1, spec))
     with pytest.raises(NeedsResync):
         actor.merge("r", 5, [1], plan, Drafted(ssm.draft(None, PROMPT, spec, None)))
-    merged = actor.merge("r", 0, PROMPT[:-2], plan, Drafted(ssm.draft(None, PROMPT[:-2], spec, None)))
-    assert merged.proposal.draws.proposer.tolist()[0] == 0  # the n-gram's draws come first
-    merged = actor.merge("r", len(PROMPT) - 2, PROMPT[-2:], plan, Drafted(ssm.draft(None, PROMPT, spec, None)))
-    expected = NgramDrafter(0, max_ngram=2, max_tokens=3).draft(None, PROMPT, spec, None).tree.size
-    assert merged.proposal.tree.size >= expected  # the n-gram saw the whole history
+    ngram = NgramDrafter(0, max_ngram=2, max_tokens=3)
+
+    def in_plan_order(history: list[int]):  # the n-gram (proposer 0) first, then proposer 1
+        return merge([ngram.draft(None, history, spec, None), ssm.draft(None, history, spec, None)])
+
+    for history, start in ((PROMPT[:-2], 0), (PROMPT, len(PROMPT) - 2)):  # a full history, then a delta
+        merged = actor.merge("r", start, history[start:], plan, Drafted(ssm.draft(None, history, spec, None)))
+        expected = in_plan_order(history)
+        assert torch.equal(merged.proposal.tree.tokens, expected.tree.tokens)
+        assert torch.equal(merged.proposal.tree.parents, expected.tree.parents)
+        assert torch.equal(merged.proposal.draws.proposer, expected.draws.proposer)  # the n-gram's draws first
     assert actor.release("r") and actor.merge("r", 0, PROMPT, plan, None) is None
