@@ -56,11 +56,10 @@ def start(args: dict) -> tuple[str, object]:
     from ray import serve
 
     from cluster.cli_serve import deploy, load_serve_config
-    from cluster.local_ray import start_local_ray
+    from cluster.local_ray import free_port, start_local_ray
     from cluster.serve_client import Client
     from settings.config import APP_NAME
 
-    from .served_overhead import free_port
 
     start_local_ray(num_cpus=4, object_store_memory=300 * 2**20)
     serve_config = load_serve_config(Path(__file__).resolve().parent.parent / "configs" / "serve.yaml")

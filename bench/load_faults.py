@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -29,11 +28,6 @@ PROMPTS = ["def quicksort(arr):\n", "The history of the printing press begins",
            "import numpy as np\n\ndef softmax(x):\n", "Once upon a time, in a small village,",
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", "SELECT name, COUNT(*) FROM"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def concurrency_for(streams: int) -> int:
@@ -125,7 +119,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from cluster.cli_serve import deploy, load_serve_config, stop_serving
-    from cluster.local_ray import start_local_ray
+    from cluster.local_ray import free_port, start_local_ray
     from cluster.serve_client import Client
     from settings.config import APP_NAME
 

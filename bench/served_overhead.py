@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,11 +23,6 @@ import time
 from pathlib import Path
 
 from bench.headline import PROMPTS, encode  # the headline prompts (BENCHMARKS.md)
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(config: str, port: int, log: Path) -> subprocess.Popen:
@@ -103,6 +97,7 @@ def main() -> int:
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     args = parser.parse_args()
     from cluster.build import build_engine
+    from cluster.local_ray import free_port
     from cluster.serve_client import Client
     from settings.config import load_config
 

@@ -10,6 +10,7 @@ generate`` / ``bench``) and by the tests. Example::
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 
@@ -26,6 +27,13 @@ def start_local_ray(address: str | None = None, num_cpus: float | None = None,
         return
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", num_cpus=num_cpus,
              object_store_memory=object_store_memory)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a local server's gRPC and HTTP proxies)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _loopback_only() -> None:

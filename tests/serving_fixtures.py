@@ -7,7 +7,6 @@ nothing here is collected as a test.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -103,11 +102,6 @@ def wait_until(predicate, timeout_s: float = 15.0, poll_s: float = 0.1) -> bool:
     return predicate()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def serve_config(args: dict, grpc_port: int, http_port: int) -> dict:
     """configs/serve.yaml with the test's engine args and ports."""
@@ -162,6 +156,7 @@ def serving(ray_session, tiny_args):
     from ray import serve
 
     from cluster.cli_serve import deploy
+    from cluster.local_ray import free_port
     from cluster.serve_client import Client
 
     if "serving" in _SESSION:  # deployed for another test module of this session

@@ -202,9 +202,9 @@ def test_overload_beyond_admission_and_deadlines_under_load(load_app):
 
 @pytest.mark.ray
 def test_drain_finishes_running_streams_and_refuses_new_ones(load_app, local_engine, tiny_args):  # noqa: F811
-    """The running stream is frozen (its next target forward waits for a second one) so that the
-    drain certainly starts while it runs; new requests get UNAVAILABLE; the stream, released,
-    completes with all its tokens and the drain returns 0 requests left. Runs last: it drains."""
+    """The stream is frozen before it starts (its prefill waits for a second forward), so the drain
+    certainly starts while it runs; new requests get UNAVAILABLE; the stream, let go, completes with
+    all its tokens and the drain returns 0 requests left. Runs last: it drains."""
     import ray
 
     from engine.sampling import SamplingParams
@@ -213,14 +213,14 @@ def test_drain_finishes_running_streams_and_refuses_new_ones(load_app, local_eng
     expected = list(local_result(local_engine, tiny_args, PROMPTS[0], max_new_tokens=LONG)[1].token_ids)
     verifier = handle.actors.remote().result()["verifier"]
     with Client(address, LOAD_APP) as client:
-        call = client.stream(build_request(PROMPTS[0], max_new_tokens=LONG), timeout=300)
-        tokens = list(next(call).token_ids)
         ray.get(verifier.hold_next_batch.remote(2))
+        call = client.stream(build_request(PROMPTS[0], max_new_tokens=LONG), timeout=300)
+        assert wait_until(lambda: handle.num_active.remote().result() == 1, timeout_s=60)  # admitted, frozen
         drained = handle.drain.remote(120.0)
-        assert wait_until(lambda: handle.num_active.remote().result() == 1 and _refused(client), timeout_s=60)
+        assert wait_until(lambda: _refused(client), timeout_s=60)
         ray.get(verifier.prefill.remote("unfreeze", [1, 2, 3], SamplingParams()))  # the second forward
         ray.get(verifier.release.remote("unfreeze"))
-        tokens += [t for chunk in call for t in chunk.token_ids]
+        tokens = [t for chunk in call for t in chunk.token_ids]
     assert tokens == expected
     assert drained.result(timeout_s=180) == 0
     assert wait_until(lambda: settled(handle), timeout_s=RELEASE_BOUND_S), held(handle)

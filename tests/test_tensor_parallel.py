@@ -18,8 +18,7 @@ import torch
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.kv_pool import PagedSequence
 from engine.tree import TokenTree
-from serving_fixtures import (  # noqa: F401  (fixtures)
-    _SESSION, engine_args, ray_session, serving, tiny_args, tiny_models)
+from serving_fixtures import ray_session, serving, tiny_args, tiny_models  # noqa: F401  (fixtures)
 from tests.test_batching import run_threads
 from tests.tiny_models import reference_greedy
 
