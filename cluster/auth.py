@@ -46,20 +46,19 @@ def authorized(header: str | None, token: str) -> bool:
 
 def check_metadata(metadata: Iterable[tuple[str, str]], token: str | None) -> None:
     """Raise Unauthenticated unless auth is off or the gRPC metadata carries the token."""
-    if token is None:
-        return
     values = [value for key, value in metadata if key.lower() == "authorization"]
-    if not values:
-        raise Unauthenticated("missing metadata 'authorization: Bearer <token>'")
-    if not any(authorized(value if isinstance(value, str) else value.decode("latin-1"), token) for value in values):
-        raise Unauthenticated("invalid bearer token in metadata 'authorization'")
+    _check(values, token, "metadata 'authorization: Bearer <token>'")
 
 
 def check_header(header: str | None, token: str | None) -> None:
     """Raise Unauthenticated unless auth is off or the HTTP ``Authorization`` header carries the token."""
+    _check([header] if header else [], token, "header 'Authorization: Bearer <token>'")
+
+
+def _check(values: list[str], token: str | None, where: str) -> None:
     if token is None:
         return
-    if not header:
-        raise Unauthenticated("missing header 'Authorization: Bearer <token>'")
-    if not authorized(header, token):
-        raise Unauthenticated("invalid bearer token in header 'Authorization'")
+    if not values:
+        raise Unauthenticated(f"missing {where}")
+    if not any(authorized(value, token) for value in values):
+        raise Unauthenticated(f"invalid bearer token in {where}")

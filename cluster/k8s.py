@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from settings.config import APP_NAME, EngineConfig, engine_section, read_yaml
+from settings.config import APP_NAME, DEFAULT_AUTH_TOKEN_ENV, EngineConfig, engine_section, read_yaml
 
 from .k8s_overlay import KubernetesOverlay, Overlay
 from .k8s_pods import (ALL_INTERFACES, GRPC_PORT, GRPC_PORT_NAME, SERVE_PORT, SERVE_PORT_NAME, head_group,
@@ -136,7 +136,11 @@ def ingress_replicas(serve_config: dict) -> int:
 
 
 def check_fits(engine: EngineConfig, kube: KubernetesOverlay, replicas: int = 1) -> None:
-    """Refuse a cluster whose pods cannot hold the actors the application will create."""
+    """Refuse a cluster whose pods cannot hold the actors the application will create, or whose
+    auth Secret lands in a variable the server does not read."""
+    if kube.auth and engine.server.auth_token_env != DEFAULT_AUTH_TOKEN_ENV:
+        raise ValueError(f"auth: the Secret is wired into ${DEFAULT_AUTH_TOKEN_ENV}, but server.auth_token_env is "
+                         f"{engine.server.auth_token_env!r}; set it to {DEFAULT_AUTH_TOKEN_ENV!r} or drop auth")
     if engine.verifier.actor.num_gpus <= 0 or (engine.ssms and engine.server.ssm_actor.num_gpus <= 0):
         raise ValueError("the verifier and SSM actors must request GPUs (num_gpus > 0): the head has none and "
                          "only the GPU workers mount the model volume")

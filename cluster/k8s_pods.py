@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from settings.config import APP_NAME
+from settings.config import APP_NAME, DEFAULT_AUTH_TOKEN_ENV
 
 from .k8s_overlay import KubernetesOverlay
 
@@ -25,7 +25,6 @@ SERVE_PORT_NAME, GRPC_PORT_NAME = "serve", "serve-grpc"
 ALL_INTERFACES = "0.0.0.0"
 RAY_UID = 1000  # user `ray` of the rayproject/ray images (and of ours, built FROM one)
 RAY_GID = 100  # its primary group `users`
-AUTH_TOKEN_ENV = "SPECINFER_AUTH_TOKEN"  # the server-side check is the auth work's; this wires the Secret
 
 
 def object_labels(kube: KubernetesOverlay) -> dict[str, str]:
@@ -52,7 +51,7 @@ def _env(kube: KubernetesOverlay, ray: bool) -> list[dict]:
     (not the fetch initContainer) also get the auth token when the overlay names its Secret."""
     env: list[dict] = [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TOKENIZERS_PARALLELISM", "value": "false"}]
     if ray and kube.auth:
-        env.append({"name": AUTH_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": kube.auth.secret,
+        env.append({"name": DEFAULT_AUTH_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": kube.auth.secret,
                                                                             "key": kube.auth.key}}})
     return env
 

@@ -40,7 +40,7 @@ from protos import specinfer_pb2 as pb
 from .auth import Unauthenticated, check_header
 from .metrics import RequestObservation
 from .serve_requests import CHILDREN, MODES, InvalidArgument, shorten
-from .status import status_name
+from .status import status_details, status_name
 
 logger = logging.getLogger(__name__)
 
@@ -350,10 +350,10 @@ def error_for(error: BaseException, call: ParsedCall) -> OpenAIError:
         return invalid_argument(error, call)
     status = status_name(error)
     if status == "RESOURCE_EXHAUSTED":
-        return OpenAIError(429, str(error), code="server_busy")
+        return OpenAIError(429, status_details(error), code="server_busy")
     if status == "UNAVAILABLE":
-        return OpenAIError(503, f"a model actor failed: {error}", code="unavailable")
-    return OpenAIError(HTTP_STATUS.get(status, 500), f"{type(error).__name__}: {error}", code="internal_error")
+        return OpenAIError(503, status_details(error), code="unavailable")
+    return OpenAIError(HTTP_STATUS.get(status, 500), status_details(error), code="internal_error")
 
 
 # --- responses ----------------------------------------------------------------------------
@@ -365,7 +365,8 @@ def speculation_usage(stats) -> dict:
             "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
             "accepted_per_ssm": dict(stats.accepted_per_proposer),
             "accepted_per_depth": list(stats.accepted_per_depth), "ms_per_token": stats.ms_per_token,
-            "draft_ms": stats.draft_ms, "verify_ms": stats.verify_ms, "total_ms": stats.total_ms}
+            "draft_ms": stats.draft_ms, "verify_ms": stats.verify_ms, "total_ms": stats.total_ms,
+            "hop_ms": dict(stats.hop_ms)}
 
 
 def usage(observation: RequestObservation, stats) -> dict:
@@ -435,13 +436,13 @@ def build_app(ingress) -> FastAPI:
     """The FastAPI app of one ingress replica (``SpecInferIngress.__serve_build_asgi_app__``).
 
     ``ingress`` provides ``config`` (the served model's name), ``generate_updates(request,
-    context, observation)``, the async generator of engine StepUpdates the gRPC methods use, and
-    ``health()`` (an ``actors.liveness.HealthReport``).
+    context, observation)``, the async generator of engine StepUpdates the gRPC methods use,
+    ``health()`` (an ``actors.liveness.HealthReport``) and ``auth_token`` (None: auth off).
     """
     app = FastAPI(title="specinfer OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     model_name = ingress.config.target.name
     started = int(time.time())
-    token = getattr(ingress, "auth_token", None)
+    token = ingress.auth_token
 
     def authenticated(request: Request) -> None:
         """The /v1 routes' bearer check (cluster.auth); /health is exempt."""

@@ -22,7 +22,6 @@ import uuid
 from contextlib import aclosing, contextmanager
 from typing import AsyncIterator
 
-import grpc
 import torch
 from grpc_health.v1 import health_pb2
 from ray import serve
@@ -38,12 +37,12 @@ from engine.kv_pool import PoolExhausted
 from protos import specinfer_pb2 as pb
 
 from . import request_log
-from .auth import Unauthenticated, auth_token, check_metadata
+from .auth import auth_token, check_metadata
 from .build import speculation_options
 from settings.config import APP_NAME, EngineConfig
 from .metrics import RequestObservation, ServingMetrics, observed
-from .serve_requests import InvalidArgument, ModelLimits, finish_reason, parse_request, stats_message
-from .status import BUSY, Draining, Overloaded, grpc_status, status_name
+from .serve_requests import ModelLimits, finish_reason, parse_request, stats_message
+from .status import ANSWERED, Draining, Overloaded, grpc_status, status_name
 from .wire import decode_request
 
 logger = logging.getLogger(__name__)
@@ -92,8 +91,6 @@ class SpecInferIngress:
 
     async def Generate(self, request: pb.GenerateRequest | bytes,
                        grpc_context: RayServegRPCContext | None = None) -> pb.GenerateResponse:
-        if not self._authenticated(grpc_context):
-            return pb.GenerateResponse()  # UNAUTHENTICATED, set on grpc_context
         text, token_ids, last = [], [], None
         try:
             async with aclosing(self.generate_updates(request, grpc_context)) as updates:
@@ -101,7 +98,7 @@ class SpecInferIngress:
                     text.append(update.text)
                     token_ids.extend(update.token_ids)
                     last = update
-        except (InvalidArgument, Draining, *BUSY):
+        except ANSWERED:
             if grpc_context is None:
                 raise
             return pb.GenerateResponse()  # the status set on grpc_context is the answer
@@ -110,8 +107,6 @@ class SpecInferIngress:
 
     async def GenerateStream(self, request: pb.GenerateRequest | bytes,
                              grpc_context: RayServegRPCContext | None = None) -> AsyncIterator[pb.GenerateChunk]:
-        if not self._authenticated(grpc_context):
-            raise Unauthenticated(grpc_context.details())  # Serve forwards the code set on grpc_context
         async with aclosing(self.generate_updates(request, grpc_context)) as updates:  # closed even if abandoned
             async for update in updates:
                 chunk = pb.GenerateChunk(text=update.text, token_ids=update.token_ids)
@@ -119,20 +114,6 @@ class SpecInferIngress:
                     chunk.finish_reason = finish_reason(update.finish_reason)
                     chunk.stats.CopyFrom(stats_message(update.stats))
                 yield chunk
-
-    def _authenticated(self, grpc_context: RayServegRPCContext | None) -> bool:
-        """False, with UNAUTHENTICATED set on the context, when auth is on and the call's metadata
-        lacks the token. Calls without a gRPC context come through a deployment handle (inside
-        the cluster) or the HTTP routes, which check their own header."""
-        if grpc_context is None:
-            return True
-        try:
-            check_metadata(grpc_context.invocation_metadata(), self.auth_token)
-        except Unauthenticated as error:
-            grpc_context.set_code(grpc.StatusCode.UNAUTHENTICATED)
-            grpc_context.set_details(str(error))
-            return False
-        return True
 
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         """grpc.health.v1: SERVING while every actor answers, NOT_SERVING while one is dead or
@@ -165,7 +146,7 @@ class SpecInferIngress:
         observation = observation if observation is not None else RequestObservation("grpc")
         request_id = uuid.uuid4().hex  # the actors' key for the request's state, and its log tag
         with request_log.request_logging(request_id), observed(self.metrics, observation, status_name), \
-                grpc_status(context), self._admitted():
+                grpc_status(context), self._admitted(context):
             parsed = parse_request(decode_request(request), self.config, self.base_options, self.tokenizer,
                                    self.limits)
             observation.admitted(len(parsed.prompt_ids))
@@ -200,7 +181,11 @@ class SpecInferIngress:
         return None if self.budget is None else self.budget.per_request(self.active)
 
     @contextmanager
-    def _admitted(self):
+    def _admitted(self, grpc_context: RayServegRPCContext | None):
+        """Admission: the bearer token (gRPC calls; the HTTP routes check their header, and calls
+        through a deployment handle come from inside the cluster), then draining, then the limit."""
+        if grpc_context is not None:
+            check_metadata(grpc_context.invocation_metadata(), self.auth_token)
         limit = self.config.server.max_concurrent_requests
         if self.draining:
             raise Draining("server draining: it is shutting down and admits no new requests; retry on another "

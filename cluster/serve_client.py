@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Sequence
 
@@ -11,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import specinfer_pb2 as pb
 from protos import specinfer_pb2_grpc
 
-from settings.config import APP_NAME
+from settings.config import APP_NAME, DEFAULT_AUTH_TOKEN_ENV
 from .serve_requests import CHILDREN, MODES
 
 FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
@@ -56,11 +57,18 @@ def response_dict(response: pb.GenerateResponse) -> dict:
 
 
 class Client:
-    """Blocking client over one channel. ``timeout`` is the per-call deadline in seconds."""
+    """Blocking client over one channel. ``timeout`` is the per-call deadline in seconds.
 
-    def __init__(self, address: str, application: str = APP_NAME):
+    ``token``: the bearer token of a server with auth on; None reads ``$SPECINFER_AUTH_TOKEN`` (the
+    variable the server reads by default); empty sends none.
+    """
+
+    def __init__(self, address: str, application: str = APP_NAME, token: str | None = None):
         self.address = address
         self.metadata = (("application", application),)  # picks the Serve application
+        token = os.environ.get(DEFAULT_AUTH_TOKEN_ENV) if token is None else token
+        if token:
+            self.metadata += (("authorization", f"Bearer {token}"),)
         self.channel = grpc.insecure_channel(address)
         self.stub = specinfer_pb2_grpc.SpecInferStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)

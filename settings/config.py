@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 APP_NAME = "specinfer"
+DEFAULT_AUTH_TOKEN_ENV = "SPECINFER_AUTH_TOKEN"  # server.auth_token_env's default; the client and k8s use it too
 
 
 class Strict(BaseModel):
@@ -129,7 +130,7 @@ class ServerConfig(Strict):
     max_stop_strings: int = Field(default=16, ge=0)
     max_stop_string_chars: int = Field(default=256, ge=1)
     auth_token_env: str | None = Field(
-        default="SPECINFER_AUTH_TOKEN",
+        default=DEFAULT_AUTH_TOKEN_ENV,
         description="environment variable holding the bearer token; set and non-empty in the replica: auth is on")
     request_ttl_s: float = Field(default=600.0, gt=0.0)
     ssm_actor: ActorOptions = ActorOptions()

@@ -167,6 +167,8 @@ def test_grpc_health_is_exempt_and_the_shared_app_is_open(auth_app):
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     with Client(auth_app) as client:  # the session's `specinfer` app: no token needed
         assert len(client.generate(build_request("hi", max_new_tokens=2), timeout=60).token_ids) == 2
+    with Client(auth_app, application=AUTH_APP, token=TOKEN) as client:  # `specinfer client` and the benches
+        assert len(client.generate(build_request("hi", max_new_tokens=2), timeout=60).token_ids) == 2
 
 
 def http(url: str, body: dict | None = None, token: str | None = None) -> tuple[int, dict, dict]:

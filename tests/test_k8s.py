@@ -851,6 +851,8 @@ def _models(**changes):
     ("GCS FT without an address", _kube(gcs_fault_tolerance={"redis_password": {"secret": "r", "key": "p"}}),
      "redis_address"),
     ("auth secret not a name", _kube(auth={"secret": "My_Secret"}), "auth.secret"),
+    ("auth secret in a variable the server does not read",
+     lambda o: _args(o).setdefault("server", {}).update(auth_token_env="OTHER_TOKEN"), "server.auth_token_env"),
 ])
 def test_render_refuses(case, change, message):
     with pytest.raises(ValueError, match=re.escape(message)):
