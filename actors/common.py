@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_pool import StateLost
 from engine.models import LoadedModel
 
 DEFAULT_EXTENSIONS_DIR = "~/.cache/specinfer/torch_extensions"
@@ -21,10 +22,6 @@ class Vocabulary:
 
     size: int
     digest: str
-
-
-class StateLost(RuntimeError):
-    """An actor has no state for a request it never released (it or its ranks were restarted)."""
 
 
 class TargetUnavailable(StateLost):

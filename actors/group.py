@@ -26,9 +26,6 @@ class ActorGroup:
     merge: object  # ActorHandle
     verifier: object  # ActorHandle
 
-    def stateful(self) -> list:
-        return [*self.ssms, self.merge, self.verifier]
-
     def everyone(self) -> list:
         return [*self.ssms, self.merge, self.verifier]
 
@@ -40,7 +37,7 @@ class ActorGroup:
 
     def release(self, request_id: str) -> None:
         """Drop a request's state everywhere; fire and forget (safe inside a cancelled task)."""
-        for actor in self.stateful():
+        for actor in self.everyone():
             actor.release.remote(request_id)
 
     def kill(self) -> None:

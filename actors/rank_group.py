@@ -33,12 +33,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from settings.config import EngineConfig
-from engine.kv_pool import KVStorage
+from engine.kv_pool import KVStorage, StateLost
 from engine.packed import PackedBatch, PackedRunner
 from engine.target import TargetModel
 from engine.tree import TokenTree
 
-from .common import DEFAULT_EXTENSIONS_DIR, StateLost, setup_process
+from .common import DEFAULT_EXTENSIONS_DIR, setup_process
 from .loading import load_configured
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,11 @@ class RankGroup:
         address = ray.get(self.ranks[0].rendezvous.remote())
         began = time.perf_counter()
         starts = [rank.start.remote(address, self.timeout_s, self.pool_slots) for rank in self.ranks]
-        devices = self._gather(starts, timeout_s=1800)
+        try:
+            devices = self._gather(starts, timeout_s=1800)
+        except Exception:  # no half-started group: the next call starts a fresh one
+            self.shutdown()
+            raise
         logger.info("tensor-parallel group: %d ranks on %s ready in %.1f s (generation %d)",
                     self.world_size, devices[0], time.perf_counter() - began, self.generation)
 

@@ -19,10 +19,10 @@ import ray
 
 from settings.config import EngineConfig
 from engine.batcher import ForwardBatcher
-from engine.kv_pool import BlockPool, kv_heads
+from engine.kv_pool import BlockPool, heads_per_shard
 from engine.models import LoadedModel, load_header
-from engine.packed import PackedModel, PagedModel
-from engine.paged_models import PagedTarget
+from engine.packed import PackedModel
+from engine.paged_models import PagedTarget, paged_parts
 from engine.target import Target, TargetModel
 
 from .loading import load_configured, model_spec
@@ -38,18 +38,18 @@ def batcher_for(config: EngineConfig, model: PackedModel, expected: Callable[[],
 def batching_parts(config: EngineConfig, model, expected: Callable[[], int],
                    scale: float = 1.0) -> tuple[BlockPool, ForwardBatcher]:
     """The pool (``kv_cache_tokens`` x ``scale`` token slots) and batcher for one model in this process."""
-    batching = config.server.batching
-    pool = BlockPool.for_tokens(int(batching.kv_cache_tokens * scale), batching.block_size)
-    return pool, batcher_for(config, PagedModel(model, pool), expected)
+    b = config.server.batching
+    return paged_parts(model, int(b.kv_cache_tokens * scale), b.block_size, b.window_ms / 1e3, expected,
+                       b.window_fraction)
 
 
 def check_shardable(model_config, tensor_parallel_size: int) -> None:
     """Each rank holds whole key/value heads of the pool: the head count must split evenly."""
-    heads = kv_heads(model_config)
-    if heads % tensor_parallel_size:
-        raise ValueError(f"verifier.tensor_parallel_size {tensor_parallel_size} with batching needs the target's "
-                         f"{heads} key/value heads to split evenly over the ranks; use a divisor of {heads} or "
-                         "server.batching.enabled: false")
+    try:
+        heads_per_shard(model_config, tensor_parallel_size)
+    except ValueError as error:
+        raise ValueError(f"verifier.tensor_parallel_size {tensor_parallel_size} with batching: {error}; use a "
+                         "divisor of the head count or server.batching.enabled: false") from None
 
 
 def load_target(config: EngineConfig, name_prefix: str = "specinfer",

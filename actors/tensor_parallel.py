@@ -28,10 +28,9 @@ import torch
 
 from settings.config import EngineConfig
 from engine.kv_pool import BlockPool
-from engine.packed import ForwardItem, pack
+from engine.packed import ForwardItem, pack, per_item
 from engine.tree import TokenTree
 
-from .common import StateLost
 from .rank_group import RankGroup, RanksFailed
 
 
@@ -100,20 +99,18 @@ class TensorParallelPagedModel:
         self.group = RankGroup(config, name_prefix, namespace, pool_slots=pool.num_slots)
 
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | BaseException]:  # -> per item [r, V]
-        alive = [not item.sequence.lost for item in items]
-        live = [item for item, ok in zip(items, alive) if ok]
-        if live:
-            with self.group.lock:  # packing (allocation, moves) in the order the ranks run batches
-                generation = self.group.ensure_started()
-                batch = pack(live, self.pool)
-                refs = self.group.submit(generation, "run_packed", ray.put(batch))
-            try:
-                logits = iter(torch.split(self.group.collect(refs, generation, "run_packed"), batch.row_counts))
-            except RanksFailed:
-                self.pool.lose_storage()  # every sequence of the old group is lost; blocks stay owned
-                raise
-        return [next(logits) if ok else StateLost("the tensor-parallel group was restarted; this request's KV "
-                                                  "cache is gone") for ok in alive]
+        with self.group.lock:  # packing (allocation, moves) in the order the ranks run batches
+            generation = self.group.ensure_started()
+            batch, errors = pack(items, self.pool)  # a lost sequence fails alone (StateLost)
+            if batch is None:
+                return per_item(None, batch, errors)
+            refs = self.group.submit(generation, "run_packed", ray.put(batch))
+        try:
+            logits = self.group.collect(refs, generation, "run_packed")
+        except RanksFailed:
+            self.pool.lose_storage()  # every sequence of the old group is lost; blocks stay owned
+            raise
+        return per_item(logits, batch, errors)
 
     def shutdown(self) -> None:
         """Kill every rank and free their resources (shared memory too)."""

@@ -14,12 +14,12 @@ from engine.models import eos_token_ids
 from engine.sampling import SamplingParams, make_generator
 from engine.paged_models import time_packed_forward
 from engine.budget import measure_curve
-from engine.kv_pool import PagedSequence
+from engine.kv_pool import PagedSequence, StateLost
 from engine.target import TargetState
 
 from .guard import Guard, make_dropper
 from .targets import build_target
-from .common import HoldsRequests, StateLost, Vocabulary, setup_process, sweep_interval, vocabulary
+from .common import HoldsRequests, Vocabulary, setup_process, sweep_interval, vocabulary
 from .store import RequestStore, start_sweeper
 
 logger = logging.getLogger(__name__)

@@ -117,7 +117,7 @@ class ForwardBatcher:
         began = time.monotonic()
         try:
             results = self.model.forward([ticket.item for ticket in batch])
-            for ticket, result in zip(batch, results):  # an item's own error (a lost state) is its alone
+            for ticket, result in zip(batch, results, strict=True):  # an item's own error is its alone
                 if isinstance(result, BaseException):
                     ticket.error = result
                 else:

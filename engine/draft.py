@@ -44,7 +44,7 @@ class DraftSpec:
     children: str = "top_k"
     sampling: SamplingParams = SamplingParams()
     min_confidence: float = 0.0  # expand a node only if the SSM's path probability reaches this
-    max_nodes: int | None = None  # a tree budget for proposers without a schedule (n-gram); root included
+    max_nodes: int | None = None  # the most nodes this proposer may draw, root included (the n-gram's budget)
 
     def __post_init__(self) -> None:
         if self.children not in CHILDREN_RULES:

@@ -25,6 +25,11 @@ class PoolExhausted(RuntimeError):
     """The pool has no free block for a request (admission should have prevented this)."""
 
 
+class StateLost(RuntimeError):
+    """A request's state is gone though it was never released: its KV entries (the storage behind
+    its pool restarted) or its actor's state (the actor restarted)."""
+
+
 class BlockPool:
     """Accounting of ``num_blocks`` blocks of ``block_size`` token slots: free list, reservations,
     moves recorded by commits, and the storage epoch.
@@ -110,6 +115,14 @@ def kv_heads(model_config) -> int:
     return getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
 
 
+def heads_per_shard(model_config, shards: int) -> int:
+    """Key/value heads each of ``shards`` tensor-parallel ranks holds (whole heads only)."""
+    heads = kv_heads(model_config)
+    if heads % shards:
+        raise ValueError(f"{heads} key/value heads cannot be split evenly over {shards} tensor-parallel ranks")
+    return heads // shards
+
+
 class KVStorage:
     """Keys and values of every layer for a pool's slots (``kv_heads``: this process's heads)."""
 
@@ -122,12 +135,10 @@ class KVStorage:
     def for_model(cls, model, slots: int, shards: int = 1) -> "KVStorage":
         """Storage for ``model``; with ``shards`` tensor-parallel ranks, one rank's share of the heads."""
         config = model.config
-        heads = kv_heads(config)
-        if heads % shards:
-            raise ValueError(f"{heads} key/value heads cannot be split over {shards} tensor-parallel ranks")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
-        return cls(config.num_hidden_layers, heads // shards, head_dim, slots, dtype, next(model.parameters()).device)
+        return cls(config.num_hidden_layers, heads_per_shard(config, shards), head_dim, slots, dtype,
+                   next(model.parameters()).device)
 
     def move(self, moves: torch.Tensor) -> None:  # moves: [2, W] source, target slots
         """Copy entries from source to target slots in every layer, in order."""

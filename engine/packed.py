@@ -27,7 +27,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from .kv_pool import BlockPool, KVStorage, PagedSequence
+from .kv_pool import BlockPool, KVStorage, PagedSequence, PoolExhausted, StateLost
 from .tree import attention_bias
 
 ATTENTION = "specinfer_paged"
@@ -95,20 +95,40 @@ def chain_item(sequence: PagedSequence, tokens: list[int], last_only: bool = Tru
     return ForwardItem(sequence, torch.tensor(tokens, dtype=torch.long), torch.arange(start, start + n), visible, rows)
 
 
-def pack(items: list[ForwardItem], pool: BlockPool) -> PackedBatch:
-    """Append every item's entries to its block table and describe the forward."""
-    writes, segments, rows, offset = [], [], [], 0
+def pack(items: list[ForwardItem], pool: BlockPool) -> tuple[PackedBatch | None, list[BaseException | None]]:
+    """Append every item's entries to its block table and describe the forward; per item, None or
+    the error that leaves it out (its sequence's storage is lost, or the pool has no block for
+    it: ``append`` then changed nothing), so one request's failure is its own. No batch: all failed.
+    """
+    packed, writes, segments, rows, errors, offset = [], [], [], [], [], 0
     for item in items:
         n, sequence = len(item.tokens), item.sequence
-        writes.append(sequence.append(n))
+        try:
+            if sequence.lost:
+                raise StateLost("the KV storage was restarted; this request's KV cache is gone")
+            writes.append(sequence.append(n))
+        except (StateLost, PoolExhausted) as error:
+            errors.append(error)
+            continue
+        errors.append(None)
+        packed.append(item)
         read = sequence.slots(0, sequence.length + sequence.pending)
         segments.append(Segment(offset, offset + n, read, sequence.length, item.visible))
         rows.append(item.rows + offset)
         offset += n
+    if not packed:
+        return None, errors
     moves = pool.take_moves()  # after the allocations: see BlockPool.take_moves
-    return PackedBatch(torch.cat([item.tokens for item in items]), torch.cat([item.positions for item in items]),
-                       torch.cat(writes), tuple(segments), torch.cat(rows), tuple(len(item.rows) for item in items),
-                       moves)
+    return PackedBatch(torch.cat([item.tokens for item in packed]), torch.cat([item.positions for item in packed]),
+                       torch.cat(writes), tuple(segments), torch.cat(rows), tuple(len(item.rows) for item in packed),
+                       moves), errors
+
+
+def per_item(logits: torch.Tensor | None, batch: PackedBatch | None,
+             errors: list[BaseException | None]) -> list[torch.Tensor | BaseException]:  # logits [R, V]
+    """Each item's ``[r, V]`` logits, or its own error, in item order (``pack``'s results)."""
+    parts = iter(torch.split(logits, batch.row_counts)) if batch is not None else iter(())
+    return [next(parts) if error is None else error for error in errors]
 
 
 @dataclass(frozen=True)
@@ -156,9 +176,9 @@ class PagedModel:
         self.pool = pool
         self.runner = PackedRunner(model, KVStorage.for_model(model, pool.num_slots))
 
-    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:  # -> per item [r, V] float32
-        batch = pack(items, self.pool)
-        return list(torch.split(self.runner.run(batch), batch.row_counts))
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | BaseException]:  # per item [r, V]
+        batch, errors = pack(items, self.pool)
+        return per_item(self.runner.run(batch) if batch is not None else None, batch, errors)
 
     def shutdown(self) -> None:
         """Nothing beyond the model, which the caller owns."""

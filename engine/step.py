@@ -29,7 +29,7 @@ from .requests import (HOPS, GenerationRequest, GenerationStats, SpeculationOpti
 from .sampling import SamplingParams, make_generator, warp
 from .target import Target, TargetStateLike
 from .text import TextStream
-from .tree import TokenTree, depths, fit_schedule, merged_nodes, schedule_nodes
+from .tree import TokenTree, depths, fit_schedule, schedule_nodes
 from .verify import Verdict, verify_greedy, verify_stochastic
 
 CANCELLED = "cancelled"  # finish reason when a model's side dropped the request (released or expired)
@@ -46,14 +46,14 @@ def proposer_stream(proposer: int) -> int:
 
 @dataclass(frozen=True)
 class Assignment:
-    """One proposer's part in a request: its index in proposer order, its spec, and its seed."""
+    """One proposer's part in a request: its index in proposer order and its spec (which carries
+    the request's sampling, seed included)."""
 
     proposer: int
     spec: DraftSpec
-    seed: int | None = None
 
     def generator(self) -> torch.Generator:
-        return make_generator(self.seed, proposer_stream(self.proposer))
+        return make_generator(self.spec.sampling.seed, proposer_stream(self.proposer))
 
 
 def plan_proposers(names: Sequence[str], neural: Sequence[bool], options: SpeculationOptions,
@@ -61,9 +61,10 @@ def plan_proposers(names: Sequence[str], neural: Sequence[bool], options: Specul
     """The proposers a request uses, in proposer order. Raises ValueError for unknown names.
 
     ``neural[i]`` tells whether proposer i is a model (sequence mode needs one). Trees are fitted
-    to ``options.max_tree_nodes`` (root included) before drawing.
+    to ``options.max_tree_nodes`` (root included) before drawing; each spec's ``max_nodes`` is the
+    most nodes its proposer can draw: a model its schedule's full tree, the n-gram the budget.
     Example: names ("a", "ngram"), neural (True, False), mode "sequence", depth 3 ->
-    (Assignment(0, DraftSpec((1, 1, 1), "sampled")),).
+    (Assignment(0, DraftSpec((1, 1, 1), "sampled", max_nodes=4)),).
     """
     unknown = set(options.proposers or ()) - set(names)
     if unknown:
@@ -75,22 +76,23 @@ def plan_proposers(names: Sequence[str], neural: Sequence[bool], options: Specul
         models = [i for i in chosen if neural[i]]
         if not models:
             raise ValueError("sequence mode needs a neural SSM")
-        spec = DraftSpec(fit_schedule((1,) * options.sequence_depth, options.max_tree_nodes), "sampled",
-                         sampling, max_nodes=options.max_tree_nodes)
-        return (Assignment(models[0], spec, sampling.seed),)
-    spec = DraftSpec(fit_schedule(options.expansion, options.max_tree_nodes), options.children, sampling,
-                     min_confidence=options.min_confidence, max_nodes=options.max_tree_nodes)
-    return tuple(Assignment(i, spec, sampling.seed) for i in chosen)
+        schedule = fit_schedule((1,) * options.sequence_depth, options.max_tree_nodes)
+        return (Assignment(models[0], DraftSpec(schedule, "sampled", sampling, max_nodes=schedule_nodes(schedule))),)
+    schedule = fit_schedule(options.expansion, options.max_tree_nodes)
+    specs = {model: DraftSpec(schedule, options.children, sampling, min_confidence=options.min_confidence,
+                              max_nodes=schedule_nodes(schedule) if model else options.max_tree_nodes)
+             for model in (True, False)}
+    return tuple(Assignment(i, specs[bool(neural[i])]) for i in chosen)
 
 
 def tree_reservation(plan: Sequence[Assignment]) -> int:
     """KV entries one step's merged tree can need at most: what admission reserves for it.
 
     Each proposer's tree has at most ``spec.max_nodes`` nodes (root included) and all share the
-    root. Example: two proposers with max_nodes 7 -> 13; no proposers -> 1 (the root alone).
+    root. Example: two SSMs with schedule (2, 2, 1, 1) (15 nodes) and the n-gram with a budget of
+    64 -> 1 + 14 + 14 + 63 = 92; no proposers -> 1 (the root alone).
     """
-    largest = max((a.spec.max_nodes or schedule_nodes(a.spec.schedule) for a in plan), default=1)
-    return merged_nodes(len(plan), largest)
+    return 1 + sum(a.spec.max_nodes - 1 for a in plan)
 
 
 # -- The phases, as each side runs them. ------------------------------------------------------

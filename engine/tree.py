@@ -161,12 +161,3 @@ def fit_schedule(schedule: Sequence[int], max_nodes: int) -> tuple[int, ...]:
             break
         kept.append(width)
     return tuple(kept)
-
-
-def merged_nodes(proposers: int, max_nodes: int) -> int:
-    """The most nodes a merge of ``proposers`` trees of at most ``max_nodes`` each can have.
-
-    The trees share their root; every other node may be distinct.
-    Example: 3 proposers, max_nodes 7 -> 1 + 3 * 6 = 19.
-    """
-    return 1 + proposers * (max(1, max_nodes) - 1)

@@ -83,8 +83,8 @@ def engine_args(paths: dict[str, Path], **server) -> dict:
         "verifier": {"actor": actor},
         "server": {"max_concurrent_requests": 2, "max_new_tokens_limit": 400, "request_ttl_s": 600.0,
                    "ssm_actor": actor, "merge_actor": {**actor, "num_cpus": 0.1},
-                   # 1152 tokens: a 110-token prompt, 400 new tokens and a tree of 3 x 31 + 1 nodes need
-                   # 604: two such requests do not fit at once, two of the 34/60-token PROMPTS do
+                   # 1152 tokens: two lanes of 400-token requests fit (a 110-token prompt, 400 new tokens
+                   # and a 52-node tree reserve 562); the admission tests fill the pool on purpose
                    "batching": {"kv_cache_tokens": 1152, "admission_timeout_s": 2.0},
                    # The budget comes from a timed verify-cost curve, so it varies with the machine's load;
                    # served output is compared with the in-process engine (no budget), step for step.

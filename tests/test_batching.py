@@ -167,6 +167,22 @@ def test_packed_forward_logits_equal_the_dynamic_cache_path(models):
             assert sequence.length == state.length
 
 
+def test_an_item_the_pool_cannot_hold_fails_alone(models):
+    """One request of a packed forward needs more blocks than the pool has: it gets PoolExhausted
+    and keeps nothing, the other request's logits equal its own forward alone."""
+    target = models[0]
+    pool = BlockPool.for_tokens(32, block_size=4)
+    paged = PagedModel(target, pool)
+    small, huge = PagedSequence(pool), PagedSequence(pool)
+    expected = PagedModel(target, BlockPool.for_tokens(32, block_size=4))
+    alone = expected.forward([chain_item(PagedSequence(expected.pool), list(range(10, 16)))])[0]
+    logits, error = paged.forward([chain_item(small, list(range(10, 16))), chain_item(huge, list(range(40)))])
+    assert isinstance(error, PoolExhausted) and huge.blocks == [] and huge.pending == 0
+    assert torch.equal(logits, alone)
+    small.release()
+    assert pool.counts() == (8, 8, 8)
+
+
 def test_block_table_slots_and_keep_move_only_the_path():
     pool = BlockPool(num_blocks=8, block_size=4)
     storage = KVStorage(num_layers=1, kv_heads=1, head_dim=1, slots=pool.num_slots, dtype=torch.float32)

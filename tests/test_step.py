@@ -54,6 +54,21 @@ def test_admission_never_under_reserves(drafters, schedule, max_nodes, mode, chi
     assert merge_drafts(drafts, PROMPT[-1], 0.0).proposal.tree.size <= tree_reservation(plan)
 
 
+RESERVATIONS = [  # (mode, expansion, max_tree_nodes, proposers, tokens admission reserves for the tree)
+    ("tree", (2, 2, 1, 1), 64, None, 1 + 14 + 14 + 63),  # two SSMs' full 15-node trees, the n-gram's budget
+    ("tree", (2, 2, 1, 1), 10, None, 1 + 6 + 6 + 9),  # fitted to (2, 2): 7 nodes each
+    ("sequence", (2,), 64, None, 5),  # one chain of depth 4
+    ("tree", (3,), 64, ("ngram",), 64),
+    ("incremental", (2,), 64, None, 1),  # the root alone
+]
+
+
+@pytest.mark.parametrize("mode,expansion,max_nodes,proposers,reserved", RESERVATIONS)
+def test_tree_reservation_is_what_the_plan_can_draw(mode, expansion, max_nodes, proposers, reserved):
+    options = SpeculationOptions(mode, expansion, sequence_depth=4, proposers=proposers, max_tree_nodes=max_nodes)
+    assert tree_reservation(plan_proposers(NAMES, NEURAL, options)) == reserved
+
+
 PLANS = [  # (mode, proposers, expected (proposer, schedule) pairs in proposer order)
     ("tree", None, [(0, (2, 2, 1)), (1, (2, 2, 1)), (2, (2, 2, 1))]),
     ("tree", ("ngram", "ssm0"), [(0, (2, 2, 1)), (2, (2, 2, 1))]),

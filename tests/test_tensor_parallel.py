@@ -109,7 +109,7 @@ def test_failed_rank_fails_fast_and_group_is_rebuilt(ray_session, tiny_args):
     request's state is gone, and a new request runs on a rebuilt group with the same output."""
     import ray
 
-    from actors.common import StateLost
+    from engine.kv_pool import StateLost
     from actors.rank_group import RanksFailed
     from cluster.build import build_engine
     from settings.config import EngineConfig
@@ -232,7 +232,7 @@ def test_killed_rank_fails_batch_fast_and_rebuilt_group_serves(batched_engines, 
     the rebuilt group; every block comes back. Runs last: it restarts the module's group."""
     import ray
 
-    from actors.common import StateLost
+    from engine.kv_pool import StateLost
     from actors.rank_group import RanksFailed
     from engine.packed import chain_item
 

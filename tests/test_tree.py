@@ -13,7 +13,7 @@ from engine.draft import Draws, Proposal
 from engine.step import take_new_tokens
 from engine.merge import merge
 from engine.tree import (TokenTree, ancestor_mask, attention_bias, children, depths, dfs_order, fit_schedule,
-                         merged_nodes, path_to, positions, schedule_nodes)
+                         path_to, positions, schedule_nodes)
 from engine.verify import verify_greedy
 
 
@@ -119,11 +119,6 @@ def test_fit_schedule(schedule, budget, expected):
 @pytest.mark.parametrize("schedule,nodes", [((), 1), ((2,), 3), ((2, 2, 1), 11), ((3, 2, 1, 1), 22)])
 def test_schedule_nodes(schedule, nodes):
     assert schedule_nodes(schedule) == nodes
-
-
-@pytest.mark.parametrize("proposers,max_nodes,bound", [(0, 64, 1), (1, 7, 7), (3, 7, 19), (2, 1, 1)])
-def test_merged_nodes(proposers, max_nodes, bound):
-    assert merged_nodes(proposers, max_nodes) == bound
 
 
 @pytest.mark.parametrize(
