@@ -23,15 +23,15 @@ RUN python -c "import tomllib; deps = tomllib.load(open('/tmp/specinfer-deps/pyp
  && python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 'the dependencies replaced the CUDA torch')"
 
 # This package, not editable and without dependencies (installed above): engine, actors, cluster,
-# settings and protos with the committed gRPC stubs (protos/specinfer_pb2*.py; the Serve config imports
-# protos.specinfer_pb2_grpc). The source is removed after the install so that the installed package
+# settings, bench and protos with the committed gRPC stubs (protos/specinfer_pb2*.py; the Serve config's
+# grpc_servicer_functions name cluster.wire's servicer, which uses them). The source is removed after the install so that the installed package
 # is the only copy on sys.path. The imports below fail the build if the dependency layer misses one.
 COPY --chown=ray:users . /tmp/specinfer-src
 RUN pip install --no-cache-dir --no-deps /tmp/specinfer-src \
  && mkdir -p /home/ray/specinfer \
  && cp -r /tmp/specinfer-src/configs /home/ray/specinfer/configs \
  && rm -rf /tmp/specinfer-src \
- && python -c "import protos.specinfer_pb2_grpc, grpc_health.v1.health_pb2_grpc, cluster.serve_app" \
+ && python -c "import protos.specinfer_pb2_grpc, grpc_health.v1.health_pb2_grpc, cluster.wire, cluster.serve_app" \
  && specinfer --help > /dev/null
 
 WORKDIR /home/ray/specinfer

@@ -156,7 +156,8 @@ def run_serve(args) -> int:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM: drain running requests, then stop (Ctrl-C stops at once)."""
+    """SIGTERM: refuse new requests and let running ones finish (``drain``), then stop. Ctrl-C skips
+    the drain; Serve's shutdown still waits for running requests (graceful_shutdown_timeout_s)."""
 
 
 def _raise_terminated(signum, frame) -> None:

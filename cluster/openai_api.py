@@ -48,11 +48,11 @@ MODE_VALUES = {name: value for value, name in MODES.items()}
 CHILDREN_VALUES = {name: value for value, name in CHILDREN.items()}
 SPECULATION_KEYS = ("mode", "expansion", "ssms", "children", "sequence_depth")
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}  # "abort": vLLM's word
-HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503,
-               "CANCELLED": 499, "INTERNAL": 500}
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
+               "UNAVAILABLE": 503, "CANCELLED": 499, "INTERNAL": 500}
 STATUS_OF_HTTP = {code: name for name, code in HTTP_STATUS.items()}
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-               429: "rate_limit_error", 503: "server_error", 500: "server_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 429: "rate_limit_error", 503: "server_error", 500: "server_error"}
 
 # Parameters we cannot honour: each is accepted only at its neutral value (``None`` always is).
 _NEUTRAL = {

@@ -32,8 +32,6 @@ def install() -> None:
     def factory(*args, **kwargs) -> logging.LogRecord:
         record = previous(*args, **kwargs)
         request_id = REQUEST_ID.get()
-        # Not ``record.request_id``: Serve passes that name in ``extra``, which may not overwrite.
-        record.specinfer_request_id = request_id
         if request_id is not None and isinstance(record.msg, str) and not record.name.startswith("ray."):
             record.msg = f"{record.msg} request_id={request_id}"
         return record

@@ -41,7 +41,8 @@ from .auth import auth_token, check_metadata
 from .build import speculation_options
 from settings.config import APP_NAME, EngineConfig
 from .metrics import RequestObservation, ServingMetrics, observed
-from .serve_requests import ModelLimits, finish_reason, parse_request, stats_message
+from .serve_requests import (InvalidArgument, ModelLimits, finish_reason, parse_request, sampling_params,
+                             stats_message)
 from .status import ANSWERED, Draining, Overloaded, grpc_status, status_name
 from .wire import decode_request
 
@@ -206,8 +207,8 @@ class SpecInferIngress:
         server.drain_timeout_s) for the running ones to finish. Returns how many still run.
 
         `specinfer serve` calls it on SIGTERM before stopping Serve; Serve's own graceful shutdown
-        (redeploys, scale-down) waits for running requests too (``app_builder``), and ``__del__``
-        sets the flag for whatever arrives meanwhile.
+        (redeploys, scale-down) stops routing to the replica and waits for running requests too
+        (``app_builder``).
         """
         self.draining = True
         deadline = asyncio.get_running_loop().time() + (
@@ -230,7 +231,6 @@ class SpecInferIngress:
         return list(self.liveness.recoveries)
 
     def __del__(self):
-        self.draining = True
         group = getattr(self, "group", None)
         if group is not None:
             try:
@@ -252,6 +252,10 @@ def app_builder(args: dict) -> serve.Application:
     requests (``graceful_shutdown_timeout_s``; Serve checks every ``graceful_shutdown_wait_loop_s``).
     """
     config = EngineConfig.model_validate(args or {})
+    try:
+        sampling_params(pb.GenerateRequest(), config)  # a request that sets nothing takes the defaults
+    except InvalidArgument as error:
+        raise ValueError(f"the config's defaults.{error}") from None
     limit, drain = config.server.max_concurrent_requests, config.server.drain_timeout_s
     return SpecInferIngress.options(max_ongoing_requests=4 * limit + 16, graceful_shutdown_timeout_s=drain,
                                     graceful_shutdown_wait_loop_s=1.0).bind(config)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from engine.requests import GenerationRequest, GenerationStats, SpeculationOptions
 from engine.step import plan_proposers
-from engine.sampling import SamplingParams
+from engine.sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
 from protos import specinfer_pb2 as pb
 
 from settings.config import EngineConfig, ServerConfig
@@ -22,8 +22,6 @@ CHILDREN = {pb.CHILDREN_RULE_TOP_K: "top_k", pb.CHILDREN_RULE_SAMPLED: "sampled"
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "cancelled": pb.FINISH_REASON_CANCELLED}
 MAX_EXPANSION_DEPTH, MAX_EXPANSION_WIDTH, MAX_SEQUENCE_DEPTH = 32, 64, 32
-# Below these the float32 warp divides by (or compares with) zero: NaN probabilities.
-MIN_TEMPERATURE, MIN_TOP_P = 1e-3, 1e-6
 MAX_MESSAGE_CHARS = 1000  # error details quote values; a gRPC status must fit in the trailers
 
 

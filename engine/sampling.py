@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+
+MIN_TEMPERATURE, MIN_TOP_P = 1e-3, 1e-6  # below these the warp's float32 softmax turns to NaN
 
 
 @dataclass(frozen=True)
@@ -17,12 +21,13 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and (self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE)):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                             f"got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (math.isfinite(self.top_p) and MIN_TOP_P <= self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in [{MIN_TOP_P}, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

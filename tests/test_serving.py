@@ -80,6 +80,17 @@ def test_grpc_stubs_are_fresh():
     assert stale_files() == [], "run: python -m protos.codegen"
 
 
+@pytest.mark.parametrize("defaults,field", [({"temperature": 1e-4}, "temperature"), ({"top_p": 1e-9}, "top_p")])
+def test_defaults_no_request_could_use_are_refused_at_start(tiny_args, defaults, field):
+    """The config's sampling defaults obey the same bounds as a request's (a tiny temperature
+    would make every request that leaves it unset fail, blamed on the client)."""
+    from cluster.serve_app import app_builder
+
+    args = {**tiny_args, "defaults": {**tiny_args.get("defaults", {}), **defaults}}
+    with pytest.raises(ValueError, match=f"defaults.{field}"):
+        app_builder(args)
+
+
 def test_serve_config_is_accepted_by_serve_and_engine():
     from ray.serve.schema import ServeDeploySchema
 
