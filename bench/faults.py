@@ -55,19 +55,11 @@ def start(args: dict) -> tuple[str, object]:
     """Local Ray + Serve with free loopback ports; the gRPC address and the app's Serve handle."""
     from ray import serve
 
-    from cluster.cli_serve import deploy, load_serve_config
-    from cluster.local_ray import free_port, start_local_ray
-    from cluster.serve_client import Client
+    from bench.local_app import start_app
     from settings.config import APP_NAME
 
-
-    start_local_ray(num_cpus=4, object_store_memory=300 * 2**20)
-    serve_config = load_serve_config(Path(__file__).resolve().parent.parent / "configs" / "serve.yaml")
-    serve_config["grpc_options"]["port"], serve_config["http_options"]["port"] = free_port(), free_port()
-    serve_config["applications"][0]["args"] = args
-    address = deploy(serve_config)
-    with Client(address) as client:
-        client.wait_ready(600)
+    serve_yaml = str(Path(__file__).resolve().parent.parent / "configs" / "serve.yaml")  # its proxies, our args
+    address = start_app(serve_yaml, lambda _: args, 600, num_cpus=4, object_store_memory=300 * 2**20)
     return address, serve.get_app_handle(APP_NAME)
 
 
@@ -85,16 +77,6 @@ def references(config_path: str, args: dict, max_new_tokens: int) -> dict[str, l
                                                           speculation=options)).token_ids) for p in PROMPTS}
     finally:
         close_engine(engine)
-
-
-def serving(client) -> bool:
-    from grpc_health.v1 import health_pb2
-
-    try:
-        reply = client.health.Check(health_pb2.HealthCheckRequest(), timeout=5, metadata=client.metadata)
-    except Exception:  # noqa: BLE001  (the proxy may refuse while the replica is busy: not serving)
-        return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def wait_for(predicate, timeout_s: float, poll_s: float = 0.1) -> float | None:
@@ -151,7 +133,7 @@ def inject(client, app, expected, role: str, streams: int, max_new_tokens: int) 
         return time.monotonic()
 
     killed = run_streams(client, expected, streams, max_new_tokens, kill, result)
-    back = wait_for(lambda: serving(client), 300, poll_s=0.2)
+    back = wait_for(lambda: client.serving(5), 300, poll_s=0.2)
     result.serving_again_s = None if back is None else round(time.monotonic() - killed, 2)
     wait_for(lambda: len(app.recoveries.remote().result()) > before, 60, poll_s=0.2)
     new = [r for r in app.recoveries.remote().result()[before:] if r.role == role]

@@ -118,21 +118,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
     args = parser.parse_args(argv)
 
-    from cluster.cli_serve import deploy, load_serve_config, stop_serving
-    from cluster.local_ray import free_port, start_local_ray
-    from cluster.serve_client import Client
-    from settings.config import APP_NAME
+    from bench.local_app import start_app
+    from cluster.cli_serve import stop_serving
 
-    serve_config = load_serve_config(args.config, args.grpc_port or free_port())
-    serve_config["http_options"] = {**serve_config.get("http_options", {}), "port": free_port()}
-    app = next(a for a in serve_config["applications"] if a["name"] == APP_NAME)
-    app["args"] = load_args(app.get("args") or {}, args.streams)
-    start_local_ray(num_cpus=args.num_cpus)
     try:
         began = time.perf_counter()
-        address = deploy(serve_config)
-        with Client(address) as client:
-            client.wait_ready(900)
+        address = start_app(args.config, lambda engine: load_args(engine, args.streams), 900, args.grpc_port,
+                            args.num_cpus)
         figures = {"config": args.config, "startup_s": round(time.perf_counter() - began, 1),
                    "actor_max_concurrency": concurrency_for(args.streams),
                    **run_streams(address, args.streams, args.max_new_tokens, args.timeout), **pool_report()}

@@ -91,19 +91,24 @@ class Client:
                 response.stats.CopyFrom(chunk.stats)
         return response
 
+    def health_status(self, timeout: float = 10.0) -> str:
+        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... or the call's error code and details."""
+        try:
+            reply = self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout, metadata=self.metadata)
+        except grpc.RpcError as error:
+            return f"{error.code().name}: {error.details()}"
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def serving(self, timeout: float = 10.0) -> bool:
+        return self.health_status(timeout) == "SERVING"
+
     def wait_ready(self, timeout_s: float, poll_s: float = 0.5) -> None:
-        """Poll grpc.health.v1 Check until SERVING; raise TimeoutError with the last error."""
+        """Poll grpc.health.v1 Check until SERVING; raise TimeoutError with the last answer."""
         deadline, last = time.monotonic() + timeout_s, "no answer"
         while time.monotonic() < deadline:
-            try:
-                remaining = max(0.1, deadline - time.monotonic())
-                reply = self.health.Check(health_pb2.HealthCheckRequest(), timeout=min(10.0, remaining),
-                                          metadata=self.metadata)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            except grpc.RpcError as error:
-                last = f"{error.code().name}: {error.details()}"
+            last = self.health_status(min(10.0, max(0.1, deadline - time.monotonic())))
+            if last == "SERVING":
+                return
             time.sleep(poll_s)
         raise TimeoutError(f"{self.address} not ready after {timeout_s:.0f} s ({last})")
 

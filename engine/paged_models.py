@@ -99,15 +99,24 @@ def paged_parts(model, tokens: int, block_size: int = 16, window_s: float = 0.0,
 
 
 def time_packed_forward(model: PackedModel, total_tokens: int, prefix: int = 256, repeats: int = 3) -> float:
-    """Median ms of one packed forward of ``total_tokens`` chain tokens on a ``prefix`` cache."""
+    """Median ms of one packed forward of ``total_tokens`` chain tokens on a ``prefix`` cache
+    (a forward that failed for its item raises: it did not run, so it cannot be timed)."""
+
+    def forward(item) -> None:
+        (result,) = model.forward([item])
+        if isinstance(result, BaseException):
+            raise result
+
     sequence = PagedSequence(model.pool)
-    model.forward([chain_item(sequence, list(range(prefix)))])
-    sequence.keep(list(range(prefix)))
-    times = []
-    for _ in range(repeats + 1):
-        began = time.perf_counter()
-        model.forward([chain_item(sequence, list(range(total_tokens)), last_only=False)])
-        times.append((time.perf_counter() - began) * 1e3)
-        sequence.truncate(prefix)
-    sequence.release()
+    try:
+        forward(chain_item(sequence, list(range(prefix))))
+        sequence.keep(list(range(prefix)))
+        times = []
+        for _ in range(repeats + 1):
+            began = time.perf_counter()
+            forward(chain_item(sequence, list(range(total_tokens)), last_only=False))
+            times.append((time.perf_counter() - began) * 1e3)
+            sequence.truncate(prefix)
+    finally:
+        sequence.release()
     return statistics.median(times[1:])

@@ -43,13 +43,6 @@ def reference(engine, args: dict, prompt: str, max_new_tokens: int) -> list[int]
     return list(engine.generate(GenerationRequest(ids, max_new_tokens, speculation=options)).token_ids)
 
 
-def grpc_serving(client: Client) -> bool:
-    from grpc_health.v1 import health_pb2
-
-    reply = client.health.Check(health_pb2.HealthCheckRequest(), timeout=10, metadata=client.metadata)
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
 def http_status(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=10) as reply:
@@ -219,7 +212,7 @@ def test_killed_verifier_fails_in_flight_fast_then_serves(faults_app, local_engi
             pass
     assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, failure.value.details()
     assert time.monotonic() - killed < 30, "in-flight request did not fail fast"
-    assert wait_until(lambda: grpc_serving(client) and http_status(health_url) == 200, 300, poll_s=0.5)
+    assert wait_until(lambda: client.serving() and http_status(health_url) == 200, 300, poll_s=0.5)
     reply = client.generate(build_request("after the rebuild", max_new_tokens=24), timeout=300)
     assert list(reply.token_ids) == reference(local_engine, tiny_args, "after the rebuild", 24)
 
@@ -229,15 +222,15 @@ def test_health_not_serving_while_an_actor_is_down(faults_app):
     """NOT_SERVING / 503 while a killed SSM restarts (its process starts and loads its model), then
     SERVING / 200; Serve's check_health keeps passing (down far less than unhealthy_after_s)."""
     client, app, health_url = faults_app
-    assert grpc_serving(client) and http_status(health_url) == 200
+    assert client.serving() and http_status(health_url) == 200
     kill(app.actors.remote().result()["ssm/ssm-b"])
     seen: set[str] = set()
 
     def both_seen() -> bool:
-        seen.update({"NOT_SERVING"} if not grpc_serving(client) else set())
+        seen.update({"NOT_SERVING"} if not client.serving() else set())
         seen.update({"503"} if http_status(health_url) == 503 else set())
         return seen == {"NOT_SERVING", "503"}
 
     assert wait_until(both_seen, 30, poll_s=0.05), f"while the SSM restarted health answered only {seen or 'OK'}"
-    assert wait_until(lambda: grpc_serving(client) and http_status(health_url) == 200, 120, poll_s=0.5)
+    assert wait_until(lambda: client.serving() and http_status(health_url) == 200, 120, poll_s=0.5)
     app.check_health.remote().result()
