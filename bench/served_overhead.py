@@ -32,11 +32,13 @@ def start_server(config: str, port: int, log: Path) -> subprocess.Popen:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
 
 
-def in_process(engine, prompt: str, chat: bool, max_new_tokens: int) -> dict:
+def in_process(engine, options, prompt: str, chat: bool, max_new_tokens: int) -> dict:
+    """``options``: the config's speculation, as the server applies it to a request that sets none."""
     from engine.requests import GenerationRequest
 
     began = time.perf_counter()
-    result = engine.generate(GenerationRequest(tuple(encode(engine.tokenizer, prompt, chat)), max_new_tokens))
+    ids = tuple(encode(engine.tokenizer, prompt, chat))
+    result = engine.generate(GenerationRequest(ids, max_new_tokens, speculation=options))
     wall = (time.perf_counter() - began) * 1e3
     stats = result.stats
     return {"token_ids": list(result.token_ids), "ms_per_token": stats.ms_per_token,
@@ -96,7 +98,7 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     args = parser.parse_args()
-    from cluster.build import build_engine
+    from cluster.build import build_engine, speculation_options
     from cluster.local_ray import free_port
     from cluster.serve_client import Client
     from settings.config import load_config
@@ -108,7 +110,7 @@ def main() -> int:
         engine = build_engine(config)
         with Client(f"127.0.0.1:{port}") as client:
             client.wait_ready(args.ready_timeout)
-            rows = run(engine, client, args.repeats, args.max_new_tokens)
+            rows = run(engine, speculation_options(config), client, args.repeats, args.max_new_tokens)
     finally:
         server.send_signal(2)
         server.wait(120)
@@ -120,14 +122,14 @@ def main() -> int:
     return 0
 
 
-def run(engine, client, repeats: int, max_new_tokens: int) -> list[dict]:
+def run(engine, options, client, repeats: int, max_new_tokens: int) -> list[dict]:
     """Warm both paths up, then interleave: each prompt in-process, then through gRPC."""
-    in_process(engine, "warm up", False, 8)
+    in_process(engine, options, "warm up", False, 8)
     served(client, "warm up", False, 8)
     rows = []
     for repeat in range(repeats):
         for name, (prompt, chat) in PROMPTS.items():
-            local = in_process(engine, prompt, chat, max_new_tokens)
+            local = in_process(engine, options, prompt, chat, max_new_tokens)
             remote = served(client, prompt, chat, max_new_tokens)
             rows.append({"repeat": repeat, "prompt": name, "local": local, "grpc": remote})
             print(f"[{repeat}] {name}: in-process {local['wall_ms_per_token']:.1f} ms/tok, "
