@@ -41,6 +41,7 @@ class HealthReport:
     serving: bool
     down: tuple[str, ...]  # roles that did not answer their probe or are marked down
     unhealthy_for_s: float  # how long health has been bad without a break (0 when serving)
+    draining: bool = False  # the replica refuses new requests (set by the ingress, not by probes)
 
 
 class Liveness:

@@ -476,10 +476,10 @@ def build_app(ingress) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        """200 while every model actor answers, 503 while one is dead or restarting."""
+        """200 while every model actor answers, 503 while one is dead or restarting or the replica drains."""
         report = await ingress.health()
-        return JSONResponse({"status": "serving" if report.serving else "not serving", "down": list(report.down)},
-                            status_code=200 if report.serving else 503)
+        status = "serving" if report.serving else "draining" if report.draining else "not serving"
+        return JSONResponse({"status": status, "down": list(report.down)}, status_code=200 if report.serving else 503)
 
     async def read_json(request: Request) -> Any:
         try:

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import uuid
 from contextlib import aclosing, contextmanager
+from dataclasses import replace
 from typing import AsyncIterator
 
 import torch
@@ -118,7 +119,8 @@ class SpecInferIngress:
 
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         """grpc.health.v1: SERVING while every actor answers, NOT_SERVING while one is dead or
-        restarting (``actors.liveness``: probes cached for a second). ``service`` is not looked at."""
+        restarting (``actors.liveness``: probes cached for a second) or the replica drains.
+        ``service`` is not looked at."""
         return health_pb2.HealthCheckResponse(status=_serving_status((await self.health()).serving))
 
     async def Watch(self, request: health_pb2.HealthCheckRequest) -> AsyncIterator[health_pb2.HealthCheckResponse]:
@@ -126,13 +128,15 @@ class SpecInferIngress:
         yield health_pb2.HealthCheckResponse(status=_serving_status((await self.health()).serving))
 
     async def health(self) -> HealthReport:
-        """Whether every actor answers (also behind HTTP ``GET /health``)."""
-        return await self.liveness.report()
+        """Whether every actor answers and the replica admits requests (not while it drains); also
+        behind HTTP ``GET /health``."""
+        report = await self.liveness.report()
+        return replace(report, serving=report.serving and not self.draining, draining=self.draining)
 
     async def check_health(self) -> None:
         """Serve's replica check: fails only when actors stay down past server.health.unhealthy_after_s
-        (a failing check replaces the replica and every actor it owns)."""
-        report, bound = await self.health(), self.config.server.health.unhealthy_after_s
+        (a failing check replaces the replica and every actor it owns; a drain never fails it)."""
+        report, bound = await self.liveness.report(), self.config.server.health.unhealthy_after_s
         if report.unhealthy_for_s > bound:
             raise RuntimeError(f"actors {list(report.down)} down for {report.unhealthy_for_s:.0f} s "
                                f"(server.health.unhealthy_after_s {bound:g})")

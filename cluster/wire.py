@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 
 from protos import specinfer_pb2 as pb
 
+from .grpc_proxy import cancels_reach_replica
 from .serve_requests import InvalidArgument
 
 _MIRROR_PACKAGE = "specinfer.wire_mirror"
@@ -102,7 +103,8 @@ def _utf8(data: bytes) -> bool:
 
 def add_SpecInferServicer_to_server(servicer, server) -> None:  # noqa: N802 (grpc's naming)
     """``protos.specinfer_pb2_grpc.add_SpecInferServicer_to_server`` without the request
-    deserializer: the replica gets the bytes and ``decode_request`` answers bad ones.
+    deserializer: the replica gets the bytes and ``decode_request`` answers bad ones. In Serve's
+    proxy its streams pass client cancels to the replica (``cluster.grpc_proxy``).
 
     Name it in ``grpc_options.grpc_servicer_functions`` (configs/serve.yaml).
     """
@@ -115,6 +117,7 @@ def add_SpecInferServicer_to_server(servicer, server) -> None:  # noqa: N802 (gr
             response_serializer=pb.GenerateChunk.SerializeToString),
     }
     service = pb.DESCRIPTOR.services_by_name["SpecInfer"].full_name
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    if hasattr(server, "add_registered_method_handlers"):
-        server.add_registered_method_handlers(service, handlers)
+    with cancels_reach_replica(server):  # inside Serve's proxy: stream cancels reach the replica
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        if hasattr(server, "add_registered_method_handlers"):
+            server.add_registered_method_handlers(service, handlers)

@@ -291,10 +291,10 @@ def test_overload_is_resource_exhausted(serving, ingress):  # noqa: F811
         assert client.generate(build_request("admitted again", max_new_tokens=4), timeout=30).stats.new_tokens == 4
 
 
-# Ray Serve 2.60's gRPC proxy loses a cancel that arrives while it hands a chunk to gRPC: the
-# GeneratorExit at `yield result` in proxy.send_request_to_replica is caught and the replica call is
-# never cancelled (about 1 in 15 cancels at random moments here). That request then runs to its
-# max_new_tokens and releases its state at the end, so a miss is retried rather than failed.
+# A cancel must stop the request long before its end (fewer than LONG // 4 drafts). Serve 2.60's
+# proxy would lose a cancel that arrives while it hands a chunk to gRPC; cluster.grpc_proxy passes
+# those on (tests/test_grpc_proxy.py, figure in tests/test_load.py). The attempts are a margin for
+# a machine so slow that many steps run between the cancel and its arrival.
 CANCEL_ATTEMPTS = 3
 
 

@@ -260,46 +260,112 @@ def test_killed_rank_fails_batch_fast_and_rebuilt_group_serves(batched_engines, 
                                                                             .token_ids)] * 2
 
 
-def test_grpc_batched_generation_with_tensor_parallel_verifier(serving, tiny_args, tiny_models):
-    """A second Serve application whose verifier is 2 ranks with batching on: two concurrent
-    requests share packed forwards and get the same ids as tp=1 and generate; blocks come back."""
+TP2_APP = "specinfer-tp2"
+
+
+def rank_actor_names() -> set[str]:
+    """Names of the live tensor-parallel rank actors (``<prefix>/verifier-<uid>.<generation>/rank-<r>``)."""
     import ray
+
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "/rank-" in a["name"]}
+
+
+@pytest.fixture(scope="module")
+def tp2_app(serving, tiny_args):  # noqa: F811
+    """(gRPC client, Serve handle, rank names that are not this app's) of a second Serve application
+    whose verifier is 2 ranks with batching on. Deleted at the end of the module."""
     from ray import serve
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from cluster.serve_app import app_builder
+    from cluster.serve_client import Client
+
+    others = rank_actor_names()
+    serve.run(app_builder(tp_args(tiny_args, batching=True)), name=TP2_APP, route_prefix="/tp2", blocking=False)
+    try:
+        with Client(serving, application=TP2_APP) as client:
+            client.wait_ready(300)
+            yield client, serve.get_app_handle(TP2_APP), others
+    finally:
+        serve.delete(TP2_APP)
+
+
+def test_grpc_batched_generation_with_tensor_parallel_verifier(serving, tp2_app, tiny_models):
+    """Two concurrent requests share packed forwards and get the same ids as tp=1 and generate;
+    blocks come back."""
+    import ray
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from cluster.serve_client import Client, build_request
 
-    name = "specinfer-tp2"
-    serve.run(app_builder(tp_args(tiny_args, batching=True)), name=name, route_prefix="/tp2", blocking=False)
-    try:
-        with Client(serving, application=name) as client, Client(serving) as single:
-            client.wait_ready(300)
-            verifier = serve.get_app_handle(name).actors.remote().result()["verifier"]
-            target = AutoModelForCausalLM.from_pretrained(tiny_models["target"]).eval()
-            tokenizer = AutoTokenizer.from_pretrained(tiny_models["target"])
-            prompts = [("def tree(x):", 30), ("speculative inference", 21)]
-            requests = [build_request(prompt, max_new_tokens=n) for prompt, n in prompts]
-            replies: list = [None] * len(requests)
+    client, app, _ = tp2_app
+    with Client(serving) as single:
+        verifier = app.actors.remote().result()["verifier"]
+        target = AutoModelForCausalLM.from_pretrained(tiny_models["target"]).eval()
+        tokenizer = AutoTokenizer.from_pretrained(tiny_models["target"])
+        prompts = [("def tree(x):", 30), ("speculative inference", 21)]
+        requests = [build_request(prompt, max_new_tokens=n) for prompt, n in prompts]
+        replies: list = [None] * len(requests)
 
-            def ask(index: int) -> None:
-                with Client(serving, application=name) as own:
-                    replies[index] = list(own.generate(requests[index], timeout=120).token_ids)
+        def ask(index: int) -> None:
+            with Client(serving, application=TP2_APP) as own:
+                replies[index] = list(own.generate(requests[index], timeout=120).token_ids)
 
-            ray.get(verifier.hold_next_batch.remote(len(requests)))  # their prefills share a forward, certainly
-            threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(requests))]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(180)
-            assert ray.get(verifier.batch_counters.remote()).largest >= 2
-            for reply, request, (prompt, n) in zip(replies, requests, prompts):
-                assert reply == list(single.generate(request, timeout=120).token_ids)
-                assert reply == reference_greedy(target, tokenizer.encode(prompt), n)
-            free, unreserved, total = ray.get(verifier.pool_blocks.remote())
-            assert free == unreserved == total
-    finally:
-        serve.delete(name)
+        ray.get(verifier.hold_next_batch.remote(len(requests)))  # their prefills share a forward, certainly
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(requests))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(180)
+        assert ray.get(verifier.batch_counters.remote()).largest >= 2
+        for reply, request, (prompt, n) in zip(replies, requests, prompts):
+            assert reply == list(single.generate(request, timeout=120).token_ids)
+            assert reply == reference_greedy(target, tokenizer.encode(prompt), n)
+        free, unreserved, total = ray.get(verifier.pool_blocks.remote())
+        assert free == unreserved == total
+
+
+def test_grpc_killed_rank_fails_the_stream_unavailable_and_the_next_request_is_served(serving, tp2_app,
+                                                                                       tiny_models):
+    """Served: rank 1 is killed while a stream is frozen at its next packed forward; let go, the
+    forward fails on the dead rank, the stream ends UNAVAILABLE (not by its deadline: nothing
+    hangs), the next request is served by the rebuilt group with the right ids, and every block
+    comes back."""
+    import grpc
+    import ray
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cluster.serve_client import build_request
+
+    client, app, others = tp2_app
+    verifier = app.actors.remote().result()["verifier"]
+    assert client.generate(build_request("warm", max_new_tokens=2), timeout=120).stats.new_tokens == 2
+    (rank1,) = [name for name in rank_actor_names() - others if name.endswith("/rank-1")]
+    stream = client.stream(build_request("def tree(x):", max_new_tokens=200), timeout=300)
+    next(stream), next(stream)  # prefilled and one verified step: the stream runs
+    ray.get(verifier.hold_next_batch.remote(10**6))  # its next forward waits
+    ray.kill(ray.get_actor(rank1, namespace=_namespace_of(rank1)), no_restart=True)
+    ray.get(verifier.hold_next_batch.remote(0))
+    began = time.monotonic()
+    with pytest.raises(grpc.RpcError) as failed:
+        for _ in stream:
+            pass
+    print(f"killed rank: the stream failed {time.monotonic() - began:.1f} s after the forward was let go")
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+    target = AutoModelForCausalLM.from_pretrained(tiny_models["target"]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["target"])
+    reply = client.generate(build_request("speculative inference", max_new_tokens=21), timeout=300)
+    assert list(reply.token_ids) == reference_greedy(target, tokenizer.encode("speculative inference"), 21)
+    assert rank1 not in rank_actor_names()
+    free, unreserved, total = ray.get(verifier.pool_blocks.remote())
+    assert free == unreserved == total
+
+
+def _namespace_of(name: str) -> str:
+    import ray
+
+    (namespace,) = [a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name]
+    return namespace
+
 
 @pytest.mark.gpu
 def test_two_gpu_ranks_over_nccl_match_single_process(engines, tiny_args):
