@@ -44,12 +44,16 @@ class RequestStore(Generic[State]):
             return entry[0]
 
     def put(self, request_id: str, state: State) -> bool:
-        """Store a new state; False (and nothing stored) when the id was already released."""
+        """Store a new state; False (and nothing stored) when the id was already released. A state
+        the id already held is dropped (``on_drop``), not leaked."""
         with self._lock:
             if request_id in self._released:
                 return False
+            old = self._states.get(request_id)
             self._states[request_id] = (state, self.clock())
-            return True
+        if old is not None and old[0] is not state and self.on_drop is not None:
+            self.on_drop(old[0])
+        return True
 
     def release(self, request_id: str) -> bool:
         """Drop a request's state; True when there was some."""

@@ -125,6 +125,17 @@ def test_request_store_ttl_and_release():
     assert store.was_released("a") and len(store) == 0
 
 
+def test_request_store_put_over_a_held_state_drops_the_old_one():
+    from actors.store import RequestStore
+
+    dropped: list[str] = []
+    store = RequestStore(ttl_s=10.0, on_drop=dropped.append)
+    assert store.put("a", "first") and store.put("a", "first")  # the same state again: kept
+    assert dropped == []
+    assert store.put("a", "second") and dropped == ["first"] and store.get("a") == "second"
+    assert store.release("a") and dropped == ["first", "second"]
+
+
 def test_sweeper_thread_expires_idle_state():
     from actors.store import RequestStore, start_sweeper
 
