@@ -29,7 +29,6 @@ PROMPTS = ["def quicksort(arr):\n", "The history of the printing press begins",
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", "SELECT name, COUNT(*) FROM"]
 
 
-
 def concurrency_for(streams: int) -> int:
     """Actor threads for ``streams`` running requests: one call each, plus half again for releases
     and monitoring calls (32 streams -> 48)."""

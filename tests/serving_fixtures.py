@@ -6,8 +6,11 @@ nothing here is collected as a test.
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -101,6 +104,15 @@ def wait_until(predicate, timeout_s: float = 15.0, poll_s: float = 0.1) -> bool:
         time.sleep(poll_s)
     return predicate()
 
+
+
+def http_health(url: str) -> tuple[int, str]:
+    """(HTTP status, the body's "status") of the replica's GET /health."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return reply.status, json.load(reply)["status"]
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)["status"]
 
 
 def serve_config(args: dict, grpc_port: int, http_port: int) -> dict:

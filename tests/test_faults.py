@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
 
 from cluster.serve_client import Client, build_request
-from serving_fixtures import (local_engine, ray_session, serving, tiny_args, tiny_models,  # noqa: F401  (fixtures)
-                              wait_until)
+from serving_fixtures import (http_health, local_engine, ray_session, serving, tiny_args,  # noqa: F401  (fixtures)
+                              tiny_models, wait_until)
 
 APP = "specinfer-faults"
 PROMPT = "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)"
@@ -41,14 +39,6 @@ def reference(engine, args: dict, prompt: str, max_new_tokens: int) -> list[int]
     options = speculation_options(EngineConfig.model_validate(args))
     ids = tuple(engine.tokenizer.encode(prompt))
     return list(engine.generate(GenerationRequest(ids, max_new_tokens, speculation=options)).token_ids)
-
-
-def http_status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            return reply.status
-    except urllib.error.HTTPError as error:
-        return error.code
 
 
 def kill(handle) -> None:
@@ -212,7 +202,7 @@ def test_killed_verifier_fails_in_flight_fast_then_serves(faults_app, local_engi
             pass
     assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, failure.value.details()
     assert time.monotonic() - killed < 30, "in-flight request did not fail fast"
-    assert wait_until(lambda: client.serving() and http_status(health_url) == 200, 300, poll_s=0.5)
+    assert wait_until(lambda: client.serving() and http_health(health_url)[0] == 200, 300, poll_s=0.5)
     reply = client.generate(build_request("after the rebuild", max_new_tokens=24), timeout=300)
     assert list(reply.token_ids) == reference(local_engine, tiny_args, "after the rebuild", 24)
 
@@ -222,15 +212,15 @@ def test_health_not_serving_while_an_actor_is_down(faults_app):
     """NOT_SERVING / 503 while a killed SSM restarts (its process starts and loads its model), then
     SERVING / 200; Serve's check_health keeps passing (down far less than unhealthy_after_s)."""
     client, app, health_url = faults_app
-    assert client.serving() and http_status(health_url) == 200
+    assert client.serving() and http_health(health_url)[0] == 200
     kill(app.actors.remote().result()["ssm/ssm-b"])
     seen: set[str] = set()
 
     def both_seen() -> bool:
         seen.update({"NOT_SERVING"} if not client.serving() else set())
-        seen.update({"503"} if http_status(health_url) == 503 else set())
+        seen.update({"503"} if http_health(health_url)[0] == 503 else set())
         return seen == {"NOT_SERVING", "503"}
 
     assert wait_until(both_seen, 30, poll_s=0.05), f"while the SSM restarted health answered only {seen or 'OK'}"
-    assert wait_until(lambda: client.serving() and http_status(health_url) == 200, 120, poll_s=0.5)
+    assert wait_until(lambda: client.serving() and http_health(health_url)[0] == 200, 120, poll_s=0.5)
     app.check_health.remote().result()

@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from cluster.grpc_proxy import CallContext, cancel_safe, cancel_safe_stream, cancels_reach_replica
+from cluster.grpc_proxy import CallContext, cancel_safe_stream, cancels_reach_replica
 
 
 class ReplicaCall:
@@ -138,28 +138,39 @@ def test_an_ended_call_context_answers_from_its_copy_and_drops_calls():
 
 
 def test_only_serve_proxy_stream_handlers_are_wrapped():
+    """Registered through cluster.wire on Serve's proxy server, GenerateStream gets the wrapper and
+    Generate Serve's own handler; the factory is Serve's again afterwards; a plain server is
+    left as it is."""
     from ray.serve._private.grpc_util import gRPCGenericServer
-    from ray.serve._private.proxy_request_response import gRPCStreamingType
 
-    made = []
+    from cluster.wire import add_SpecInferServicer_to_server
+
+    made: list = []  # every handler Serve's factory made (generic and registered-method handlers)
 
     def factory(service_method, streaming_type):
-        made.append(streaming_type)
-        return serve_like(ReplicaCall(0))
+        made.append(serve_like(ReplicaCall(0)))
+        return made[-1]
 
-    wrapped = cancel_safe(factory)
-    assert wrapped("/m", gRPCStreamingType.UNARY_UNARY).__qualname__ == "serve_like.<locals>.unary_stream"
-    assert wrapped("/m", gRPCStreamingType.UNARY_STREAM).__qualname__ == \
-        "cancel_safe_stream.<locals>.unary_stream"
+    class Servicer:
+        Generate = GenerateStream = staticmethod(lambda request, context: None)
 
-    async def register() -> tuple:
+    async def register() -> dict:
         server = gRPCGenericServer(factory)
-        with cancels_reach_replica(server):
-            inside = server.service_handler_factory
-        return inside, server.service_handler_factory
+        add_SpecInferServicer_to_server(Servicer(), server)
+        assert server.service_handler_factory is factory
+        ((generic,),) = server.generic_rpc_handlers
+        return generic._method_handlers
 
-    inside, after = asyncio.run(register())
-    assert inside is not factory and after is factory
-    plain = object()
-    with cancels_reach_replica(plain):
+    handlers = asyncio.run(register())
+    stream = handlers["/specinfer.v1.SpecInfer/GenerateStream"]
+    unary = handlers["/specinfer.v1.SpecInfer/Generate"]
+    assert stream.unary_stream.__qualname__ == "cancel_safe_stream.<locals>.unary_stream"
+    assert any(unary.unary_unary is handler for handler in made)
+
+    class Plain:  # any other server
         pass
+
+    plain = Plain()
+    plain.service_handler_factory = factory
+    with cancels_reach_replica(plain):
+        assert plain.service_handler_factory is factory

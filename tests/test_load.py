@@ -9,19 +9,17 @@ Nothing here asserts speed: outputs, status codes, and state released within gen
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
 
 from bench.load_faults import concurrency_for, load_args
 from cluster.serve_client import Client, build_request
-from serving_fixtures import local_engine, ray_session, serving, tiny_args, tiny_models  # noqa: F401  (fixtures)
+from serving_fixtures import (http_health, local_engine, ray_session, serving, tiny_args,  # noqa: F401
+                              tiny_models)
 from test_serving import LONG, local_result, reserve_the_pool, wait_until
 
 LOAD_APP = "specinfer-load"
@@ -233,15 +231,6 @@ def test_drain_finishes_running_streams_and_refuses_new_ones(load_app, local_eng
     assert tokens == expected
     assert drained.result(timeout_s=180) == 0
     assert wait_until(lambda: settled(handle), timeout_s=RELEASE_BOUND_S), held(handle)
-
-
-def http_health(url: str) -> tuple[int, str]:
-    """(HTTP status, the body's "status") of GET /health."""
-    try:
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            return reply.status, json.load(reply)["status"]
-    except urllib.error.HTTPError as error:
-        return error.code, json.load(error)["status"]
 
 
 def _refused(client: Client) -> bool:

@@ -263,11 +263,13 @@ def test_killed_rank_fails_batch_fast_and_rebuilt_group_serves(batched_engines, 
 TP2_APP = "specinfer-tp2"
 
 
-def rank_actor_names() -> set[str]:
-    """Names of the live tensor-parallel rank actors (``<prefix>/verifier-<uid>.<generation>/rank-<r>``)."""
+def rank_actors() -> dict[str, str]:
+    """Live tensor-parallel rank actors, name (``<prefix>/verifier-<uid>.<generation>/rank-<r>``)
+    -> namespace."""
     import ray
 
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "/rank-" in a["name"]}
+    return {a["name"]: a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if "/rank-" in a["name"]}
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +281,7 @@ def tp2_app(serving, tiny_args):  # noqa: F811
     from cluster.serve_app import app_builder
     from cluster.serve_client import Client
 
-    others = rank_actor_names()
+    others = set(rank_actors())
     serve.run(app_builder(tp_args(tiny_args, batching=True)), name=TP2_APP, route_prefix="/tp2", blocking=False)
     try:
         with Client(serving, application=TP2_APP) as client:
@@ -326,24 +328,25 @@ def test_grpc_batched_generation_with_tensor_parallel_verifier(serving, tp2_app,
 
 def test_grpc_killed_rank_fails_the_stream_unavailable_and_the_next_request_is_served(serving, tp2_app,
                                                                                        tiny_models):
-    """Served: rank 1 is killed while a stream is frozen at its next packed forward; let go, the
-    forward fails on the dead rank, the stream ends UNAVAILABLE (not by its deadline: nothing
-    hangs), the next request is served by the rebuilt group with the right ids, and every block
-    comes back."""
+    """Served: a stream is admitted and frozen at its prefill forward (every forward held), so it is
+    certainly in flight when rank 1 is killed; let go, the forward fails on the dead rank, the
+    stream ends UNAVAILABLE (not by its deadline: nothing hangs), the next request is served by the
+    rebuilt group with the right ids, and every block comes back."""
     import grpc
     import ray
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from cluster.serve_client import build_request
+    from serving_fixtures import wait_until
 
     client, app, others = tp2_app
     verifier = app.actors.remote().result()["verifier"]
     assert client.generate(build_request("warm", max_new_tokens=2), timeout=120).stats.new_tokens == 2
-    (rank1,) = [name for name in rank_actor_names() - others if name.endswith("/rank-1")]
+    (rank1,) = [name for name in rank_actors() if name not in others and name.endswith("/rank-1")]
+    ray.get(verifier.hold_next_batch.remote(10**6))  # no forward runs until the hold is lifted
     stream = client.stream(build_request("def tree(x):", max_new_tokens=200), timeout=300)
-    next(stream), next(stream)  # prefilled and one verified step: the stream runs
-    ray.get(verifier.hold_next_batch.remote(10**6))  # its next forward waits
-    ray.kill(ray.get_actor(rank1, namespace=_namespace_of(rank1)), no_restart=True)
+    assert wait_until(lambda: ray.get(verifier.num_requests.remote()) == 1, timeout_s=60)  # admitted, frozen
+    ray.kill(ray.get_actor(rank1, namespace=rank_actors()[rank1]), no_restart=True)
     ray.get(verifier.hold_next_batch.remote(0))
     began = time.monotonic()
     with pytest.raises(grpc.RpcError) as failed:
@@ -355,16 +358,9 @@ def test_grpc_killed_rank_fails_the_stream_unavailable_and_the_next_request_is_s
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["target"])
     reply = client.generate(build_request("speculative inference", max_new_tokens=21), timeout=300)
     assert list(reply.token_ids) == reference_greedy(target, tokenizer.encode("speculative inference"), 21)
-    assert rank1 not in rank_actor_names()
+    assert rank1 not in rank_actors()
     free, unreserved, total = ray.get(verifier.pool_blocks.remote())
     assert free == unreserved == total
-
-
-def _namespace_of(name: str) -> str:
-    import ray
-
-    (namespace,) = [a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name]
-    return namespace
 
 
 @pytest.mark.gpu
