@@ -12,6 +12,13 @@ ARG TORCH_VERSION=2.13.0
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" \
  && python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 'CPU-only torch in the serving image')"
 
+# arctic-inference (the suffix proposer's suffix trees) ships as an sdist whose build needs cmake,
+# nanobind and ninja (installed first): built here without build isolation, so that the
+# dependency layer below finds its pin (pyproject.toml) satisfied.
+RUN pip install --no-cache-dir cmake nanobind==2.9.2 ninja \
+ && pip install --no-cache-dir --no-build-isolation arctic-inference==0.3.0 \
+ && python -c "import arctic_inference.suffix_decoding"
+
 # The package's dependencies in a layer of their own, keyed on pyproject.toml only: a source change
 # does not reinstall them. [project].dependencies only: the test and bench extras (pytest, HumanEval,
 # ShareGPT, matplotlib) stay out of the serving image. torch is already satisfied by the CUDA build.

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ActorGroup:
-    """Handles to one replica's actors. ``names``: proposers in engine order (SSMs, then n-gram)."""
+    """Handles to one replica's actors. ``names``: proposers in engine order (SSMs, then suffix)."""
 
     names: tuple[str, ...]
     neural: tuple[bool, ...]
@@ -84,10 +84,8 @@ def launch(config: EngineConfig, prefix: str, namespace: str | None = None) -> A
         .remote(config, index, server.ssm_actor.torch_threads)
         for index, ssm in enumerate(config.ssms))
     merge = ray.remote(MergeActor).options(**_options(server.merge_actor, f"{prefix}/merge", namespace)).remote(
-        config.ngram, len(config.ssms), server.merge_actor.torch_threads, server.request_ttl_s)
-    names = tuple([m.name for m in config.ssms] + ([config.ngram.name] if config.ngram else []))
-    neural = tuple([True] * len(config.ssms) + ([False] if config.ngram else []))
-    return ActorGroup(names, neural, ssms, merge, verifier)
+        config.suffix, len(config.ssms), server.merge_actor.torch_threads, server.request_ttl_s)
+    return ActorGroup(tuple(config.proposer_names()), tuple(config.proposer_neural()), ssms, merge, verifier)
 
 
 async def check_ready(group: ActorGroup) -> TargetInfo:

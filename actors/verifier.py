@@ -13,7 +13,7 @@ from engine.step import TARGET_STREAM, Drafted, first_token, verify_and_commit
 from engine.models import eos_token_ids
 from engine.sampling import SamplingParams, make_generator
 from engine.paged_models import time_packed_forward
-from engine.budget import measure_curve
+from engine.budget import measure_curve, measure_target_curve
 from engine.kv_pool import PagedSequence, StateLost
 from engine.target import TargetState
 
@@ -61,15 +61,23 @@ class VerifierActor(HoldsRequests):
         self._stop_sweeper = start_sweeper(self.store, sweep_interval(config.server.request_ttl_s))
 
     def measure_verify_cost(self) -> dict[int, float] | None:
-        """ms of one packed forward vs tokens in it (None without batching or tree budget).
+        """ms of one verify pass vs tokens in it (None when neither the tree budget, which needs
+        batching, nor cost-aware shapes use it).
 
         Called by the ingress once every actor has loaded, so that loading does not skew it.
         """
-        budget = self.config.server.tree_budget
-        if not (self.paged and budget.enabled):
+        budget, config = self.config.server.tree_budget, self.config
+        by_budget = self.paged and budget.enabled
+        if not (by_budget or config.cost_aware_shapes):
             return None
-        curve = measure_curve(lambda size: time_packed_forward(self.target.batcher.model, size),
-                              budget.max_total_tokens, budget.slack)
+        # Cost-aware shapes read the whole curve; the budget alone needs it up to its slack limit.
+        slack = float("inf") if config.cost_aware_shapes else budget.slack
+        sizes = max(budget.max_total_tokens if by_budget else 1,
+                    config.speculation.cost.curve_max_tokens if config.cost_aware_shapes else 1)
+        if self.paged:
+            curve = measure_curve(lambda size: time_packed_forward(self.target.batcher.model, size), sizes, slack)
+        else:
+            curve = measure_target_curve(self.target, sizes, slack)
         logger.info("verify-cost curve (tokens per pass -> ms): %s", {k: round(v, 1) for k, v in curve.items()})
         return curve
 

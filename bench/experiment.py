@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from settings.config import Dtype, EngineConfig, ModelConfig, NgramConfig, engine_section, read_yaml
+from settings.config import Dtype, EngineConfig, ModelConfig, SuffixConfig, engine_section, read_yaml
 
 from .report import experiment_markdown
 from .run import BenchSettings, run_bench
@@ -33,7 +33,7 @@ class ExperimentConfig(BaseModel):
     engine: dict | None = None  # or the engine config inline
     dtype: Dtype | None = None  # overrides the engine config's dtype
     ssms: list[ModelConfig] = Field(default_factory=list)
-    ngram: NgramConfig | None = NgramConfig()
+    suffix: SuffixConfig | None = SuffixConfig()
     subsets: list[list[str]] = Field(min_length=1)
     schedules: list[list[int]] = Field(min_length=1)
     datasets: list[str] = Field(default_factory=lambda: ["humaneval"], min_length=1)
@@ -64,7 +64,7 @@ class ExperimentConfig(BaseModel):
         return self
 
     def proposer_names(self) -> list[str]:
-        return [m.name for m in self.ssms] + ([self.ngram.name] if self.ngram else [])
+        return [m.name for m in self.ssms] + ([self.suffix.name] if self.suffix else [])
 
     def methods(self) -> list[str]:
         """``incremental`` then ``tree[subset]:schedule`` for every subset and schedule."""
@@ -89,14 +89,14 @@ def resolve_path(value: str, relative_to: Path) -> Path:
 
 
 def engine_config(experiment: ExperimentConfig, path: Path, dtype: str | None = None) -> EngineConfig:
-    """The base engine config with the experiment's SSMs, n-gram proposer and dtype."""
+    """The base engine config with the experiment's SSMs, suffix proposer and dtype."""
     if experiment.engine is not None:
         section = dict(experiment.engine)
     else:
         base = resolve_path(experiment.base_config, path.parent)
         section = dict(engine_section(read_yaml(base), base))
     section["ssms"] = [m.model_dump() for m in experiment.ssms]
-    section["ngram"] = experiment.ngram.model_dump() if experiment.ngram else None
+    section["suffix"] = experiment.suffix.model_dump() if experiment.suffix else None
     if dtype or experiment.dtype:
         section["dtype"] = dtype or experiment.dtype
     return EngineConfig.model_validate(section)

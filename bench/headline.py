@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from cluster.build import build_engine, speculation_options
+from cluster.build import build_engine, forget_responses, speculation_options
 from settings.config import load_config
 from engine.requests import GenerationRequest
 from engine.sampling import SamplingParams
@@ -44,6 +44,7 @@ def greedy_rows(engine, base, max_new_tokens: int) -> list[dict]:
     for name, (text, chat) in PROMPTS.items():
         ids = tuple(encode(engine.tokenizer, text, chat))
         for method, options in methods.items():
+            forget_responses(engine)  # the suffix proposer's global store must not hold this prompt's answer
             result = engine.generate(GenerationRequest(ids, max_new_tokens, speculation=options))
             stats = result.stats.to_dict()
             rows.append({"prompt": name, "method": method, "tokens_per_step": stats["tokens_per_step"],
@@ -54,7 +55,7 @@ def greedy_rows(engine, base, max_new_tokens: int) -> list[dict]:
 
 
 def sampling_rows(engine, base, seeds: int, max_new_tokens: int) -> dict:
-    ssm = [d.name for d in engine.drafters if d.name != "ngram"][:1]
+    ssm = [name for name, neural in zip(engine.names, engine.neural) if neural][:1]
     out = {}
     for children in ("sampled", "sampled_without_replacement", "top_k"):
         options = replace(base, children=children, proposers=tuple(ssm), min_confidence=0.0, expansion=(2, 2, 1, 1))

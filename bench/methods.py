@@ -5,10 +5,10 @@ Spellings (comma-separated on the command line):
 * ``incremental``: plain decoding by the target (the baseline every ratio is taken against).
 * ``sequence`` / ``sequence:K``: one chain of depth K (default: the config's ``sequence_depth``)
   from the first neural SSM: classical speculative decoding.
-* ``tree`` / ``tree:K1-K2-...``: a token tree from the **first neural SSM only**, with the config's
-  expansion schedule or the one given.
+* ``tree`` / ``tree:K1-K2-...``: a token tree from the **first neural SSM only**, shaped by the
+  config's policy (cost-aware by default, else its expansion schedule), or by the schedule given.
 * ``ensemble`` / ``ensemble:K1-K2-...``: a tree from **every** configured proposer (all SSMs and the
-  n-gram proposer), merged: what ``specinfer generate --mode tree`` does.
+  suffix proposer), merged: what ``specinfer generate --mode tree`` does.
 * ``tree[a,b]`` / ``tree[a,b]:K1-...``: a tree from the named proposers only (``specinfer experiment``
   spells its runs this way); ``sequence[a]:K`` picks the chain's SSM.
 * a ``+RULE`` suffix on tree / ensemble spellings picks the child rule when sampling
@@ -39,15 +39,14 @@ SPELLINGS = ("incremental, sequence[:K], tree[:K1-K2-...], ensemble[:K1-K2-...],
 
 @dataclass(frozen=True)
 class Proposers:
-    """The proposers a config declares, in engine order (neural SSMs first, then n-gram)."""
+    """The proposers a config declares, in engine order (neural SSMs first, then suffix)."""
 
     names: tuple[str, ...]
     neural: tuple[bool, ...]
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Proposers":
-        names = [m.name for m in config.ssms] + ([config.ngram.name] if config.ngram else [])
-        return cls(tuple(names), tuple([True] * len(config.ssms) + [False] * (config.ngram is not None)))
+        return cls(tuple(config.proposer_names()), tuple(config.proposer_neural()))
 
     def first_neural(self, spelling: str) -> str:
         for name, neural in zip(self.names, self.neural):
@@ -110,7 +109,8 @@ def parse_method(spelling: str, proposers: Proposers, base: SpeculationOptions) 
         rule = match["rule"] or base.children
         if rule not in CHILDREN_RULES or any(k < 1 for k in schedule):
             raise ValueError(f"method {spelling!r}: widths must be >= 1 and the rule one of {CHILDREN_RULES}")
-        options = replace(base, mode="tree", expansion=schedule, children=rule, proposers=names)
+        policy = "schedule" if match["schedule"] else base.policy  # a schedule given is followed as given
+        options = replace(base, mode="tree", expansion=schedule, children=rule, proposers=names, policy=policy)
         return Method(spelling, "engine", options)
     raise ValueError(f"unknown method {spelling!r}; spellings: {SPELLINGS}")
 

@@ -62,6 +62,17 @@ def summary_table(summary: dict) -> list[str]:
     return lines
 
 
+def profile_table(summary: dict) -> list[str]:
+    """The step profile: what each verify step drafted and what it cost (engine methods)."""
+    rows = [(m, s) for m, s in summary.items() if s.get("nodes_per_step") is not None]
+    lines = ["| method | tree nodes / step | drafting ms / step | verify ms / step | accepted / step |",
+             "|---|---:|---:|---:|---:|"]
+    for method, s in rows:
+        lines.append(f"| `{method}` | {s['nodes_per_step']:.1f} | {s['draft_ms_per_step']:.1f} "
+                     f"| {s['verify_ms_per_step']:.1f} | {_num(s.get('mean_accepted_per_step'))} |")
+    return lines if rows else []
+
+
 def proposer_table(summary: dict) -> list[str]:
     """Share of accepted tokens credited to each proposer (a token proposed by several credits each)."""
     rows = [(m, s) for m, s in summary.items() if _drafted(s)]
@@ -130,6 +141,10 @@ def write_markdown(path: Path, results: dict, plots: Sequence[Path] = ()) -> Non
              "Medians over prompts, p25-p75 in brackets. ms / token is wall time (prefill included) / new "
              "tokens; speedup is the median of per-prompt ratios to `incremental` on the same prompt.", "",
              *summary_table(results["summary"]), ""]
+    profile = profile_table(results["summary"])
+    if profile:
+        lines += ["Step profile (sums over prompts / verify steps; drafting includes merge and transport):", "",
+                  *profile, ""]
     shares = proposer_table(results["summary"])
     if shares:
         lines += ["Share of accepted tokens credited to each proposer:", "", *shares, ""]

@@ -70,7 +70,7 @@ class BenchSettings:
 
 def run_identity(settings: BenchSettings, config: EngineConfig) -> dict:
     """What rows of one output directory must share (methods and prompt count may grow)."""
-    engine = config.model_dump(include={"dtype", "target", "ssms", "ngram", "speculation"}, mode="json")
+    engine = config.model_dump(include={"dtype", "target", "ssms", "suffix", "speculation"}, mode="json")
     return {"dataset": settings.dataset, "max_new_tokens": settings.max_new_tokens,
             "max_prompt_tokens": settings.max_prompt_tokens, "sampling": asdict(settings.sampling),
             "via": settings.via, "engine": engine, **({"label": settings.label} if settings.label else {})}

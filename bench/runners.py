@@ -41,6 +41,9 @@ class LocalRunner:
     def run(self, method: Method, prompt: EncodedPrompt, max_new_tokens: int, sampling: SamplingParams) -> BenchRow:
         if method.kind == "hf-assisted":
             return hf_assisted_row(self.engine, method, prompt, max_new_tokens, sampling)
+        from cluster.build import forget_responses
+
+        forget_responses(self.engine)  # no method sees this prompt's answer from another's run
         request = GenerationRequest(prompt.ids, max_new_tokens, sampling, method.options)
         started = time.perf_counter()
         result = self.engine.generate(request)

@@ -5,19 +5,25 @@ Model loading itself is ``actors.loading`` / ``actors.targets`` (the actors load
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from actors.loading import load_configured
+from actors.suffix import SuffixDrafter
 from actors.targets import load_target
-from engine.draft import ModelDrafter, NgramDrafter
+from engine.draft import ModelDrafter
+from engine.budget import measure_target_curve
 from engine.generate import SpeculativeEngine
+from engine.shape import TreeCost
 from engine.models import check_same_vocabulary, eos_token_ids
 from engine.requests import SpeculationOptions
 from settings.config import EngineConfig
 
 from .local_ray import start_local_ray
+
+logger = logging.getLogger(__name__)
 
 
 def close_engine(engine: SpeculativeEngine) -> None:
@@ -34,7 +40,23 @@ def speculation_options(config: EngineConfig) -> SpeculationOptions:
     s = config.speculation
     return SpeculationOptions(mode=s.mode, expansion=tuple(s.expansion), sequence_depth=s.sequence_depth,
                               children=s.children, max_tree_nodes=s.max_tree_nodes,
-                              min_confidence=s.min_confidence)
+                              min_confidence=s.min_confidence, policy=s.policy)
+
+
+def tree_cost(config: EngineConfig, curve: dict[int, float] | None) -> TreeCost | None:
+    """The cost model of cost-aware shapes from a measured verify-cost curve (None: schedules)."""
+    if not curve or not config.cost_aware_shapes:
+        return None
+    c = config.speculation.cost
+    return TreeCost(tuple(sorted(curve.items())), c.beam, c.branch, c.max_depth)
+
+
+def forget_responses(engine: SpeculativeEngine) -> None:
+    """Empty the suffix proposer's global store, so that the next request learns nothing from the
+    earlier ones (benchmarks run each prompt with several methods)."""
+    for drafter in engine.drafters:
+        if isinstance(drafter, SuffixDrafter):
+            drafter.forget_responses()
 
 
 def build_engine(config: EngineConfig) -> SpeculativeEngine:
@@ -52,10 +74,15 @@ def build_engine(config: EngineConfig) -> SpeculativeEngine:
         ssm = load_configured(config, ssm_config)
         check_same_vocabulary(target, ssm)
         drafters.append(ModelDrafter(ssm.model, index, ssm_config.name))
-    if config.ngram:
-        n = config.ngram
-        drafters.append(NgramDrafter(len(drafters), n.name, n.max_ngram, n.min_ngram, n.max_tokens, n.max_matches))
-    return SpeculativeEngine(target_model, drafters, target.tokenizer, eos_token_ids(target))
+    if config.suffix:
+        drafters.append(SuffixDrafter(len(drafters), config.suffix))
+    curve = None
+    if config.cost_aware_shapes:
+        curve = measure_target_curve(target_model, config.speculation.cost.curve_max_tokens, float("inf"))
+        logger.info("verify-cost curve for cost-aware trees (tokens per pass -> ms): %s",
+                    {size: round(ms, 1) for size, ms in curve.items()})
+    return SpeculativeEngine(target_model, drafters, target.tokenizer, eos_token_ids(target),
+                             cost=tree_cost(config, curve))
 
 
 def _ensure_ray() -> None:

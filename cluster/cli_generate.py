@@ -39,6 +39,9 @@ def add_sampling_arguments(parser) -> None:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--children", choices=["top_k", "sampled", "sampled_without_replacement"], default=None)
+    parser.add_argument("--no-adaptive", dest="adaptive", action="store_false", default=None,
+                        help="tree shapes from this request alone (no global suffix store, no cost-aware sizes): "
+                             "a seeded request gives the same tokens whatever else ran")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -70,7 +73,8 @@ def request_from_args(config: EngineConfig, args, prompt_ids: list[int]) -> Gene
         seed=args.seed,
     )
     options = speculation_options(config)
-    changes = {k: v for k, v in (("mode", args.mode), ("children", args.children)) if v is not None}
+    changes = {k: v for k, v in (("mode", args.mode), ("children", args.children), ("adaptive", args.adaptive))
+               if v is not None}
     if changes:
         options = type(options)(**{**options.__dict__, **changes})
     return GenerationRequest(tuple(prompt_ids), args.max_new_tokens or d.max_new_tokens, sampling, options,

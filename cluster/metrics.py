@@ -61,6 +61,7 @@ LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                   20.0, 40.0, 80.0)
 TOKENS_PER_STEP_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 10.0, 16.0)
+TREE_NODES_BUCKETS = (0.5, 1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0)
 TOKENS_PER_S_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 1000.0,
                         2000.0)
 
@@ -74,7 +75,7 @@ SPECS = {spec.name: spec for spec in (
                "Accepted draft tokens by position in the accepted path (0 = depth 1 of the token tree).",
                ("position",)),
     MetricSpec("specinfer:spec_decode_num_accepted_tokens_per_ssm", COUNTER,
-               "Accepted draft tokens by proposer (an SSM or the n-gram proposer); a token proposed by "
+               "Accepted draft tokens by proposer (an SSM or the suffix proposer); a token proposed by "
                "several proposers credits each of them.", ("ssm",)),
     MetricSpec("specinfer:target_steps", COUNTER, "Target model forward passes, the prefill included."),
     MetricSpec("specinfer:step_hop_seconds", COUNTER,
@@ -82,6 +83,9 @@ SPECS = {spec.name: spec for spec in (
                "merge, verify (forward, verification and commit inside the verifier), transport (the rest: "
                "actor calls, scheduling, serialisation). Divide by specinfer:target_steps for a per-step profile.",
                ("hop",)),
+    MetricSpec("specinfer:spec_decode_tree_nodes", HISTOGRAM,
+               "Per verify step: draft tokens in the merged token tree (the root excluded; 0: plain decoding), "
+               "the tree sizes the cost-aware policy and the load budget chose.", boundaries=TREE_NODES_BUCKETS),
     MetricSpec("specinfer:tokens_per_step", HISTOGRAM,
                "Per request: generated tokens / target steps (1.0 without speculation).",
                boundaries=TOKENS_PER_STEP_BUCKETS),
@@ -188,6 +192,8 @@ class ServingMetrics:
             _inc(m["specinfer:spec_decode_num_accepted_tokens_per_ssm"], count, {"ssm": ssm})
         for hop, ms in stats.hop_ms.items():
             _inc(m["specinfer:step_hop_seconds"], ms / 1e3, {"hop": hop})
+        for size in stats.tree_sizes:
+            m["specinfer:spec_decode_tree_nodes"].observe(size)
         if o.status != "OK":
             return
         m["specinfer:tokens_per_step"].observe(stats.tokens_per_step)

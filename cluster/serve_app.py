@@ -39,7 +39,7 @@ from protos import specinfer_pb2 as pb
 
 from . import request_log
 from .auth import auth_token, check_metadata
-from .build import speculation_options
+from .build import speculation_options, tree_cost
 from settings.config import APP_NAME, EngineConfig
 from .metrics import RequestObservation, ServingMetrics, observed
 from .serve_requests import (InvalidArgument, ModelLimits, finish_reason, parse_request, sampling_params,
@@ -75,7 +75,10 @@ class SpecInferIngress:
         self.info = info = await check_ready(self.group)
         self.tokenizer, self.eos_ids = info.tokenizer, info.eos_ids
         budget, curve = config.server.tree_budget, await self.group.verifier.measure_verify_cost.remote()
-        self.budget = budget_from_curve(curve, budget.slack, budget.min_tree_nodes) if curve else None
+        by_budget = curve and config.server.batching.enabled and budget.enabled
+        self.budget = budget_from_curve(curve, budget.slack, budget.min_tree_nodes,
+                                        budget.disable_above_running) if by_budget else None
+        self.cost = tree_cost(config, curve)
         if self.budget is not None:
             logger.info("tree budget: %d tree tokens per pass (verify-cost curve %s)", self.budget.cap, curve)
         self.limits = ModelLimits(self.group.names, self.group.neural, info.max_context)
@@ -157,7 +160,7 @@ class SpecInferIngress:
             observation.admitted(len(parsed.prompt_ids))
             backend = ActorBackend(self.group, request_id, parsed.sampling, self.liveness, self._admission(parsed))
             session = Session(backend, parsed, self.group.names, self.group.neural, self.tokenizer, self.eos_ids,
-                              self._tree_budget)
+                              self._tree_budget, self.cost)
             logger.info("request: %d prompt tokens, max_new_tokens %d, mode %s, %s (serve request id %s)",
                         len(parsed.prompt_ids), parsed.max_new_tokens, parsed.speculation.mode, observation.api,
                         _serve_request_id())

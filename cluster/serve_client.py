@@ -23,7 +23,8 @@ def build_request(prompt: str | None = None, messages: Sequence[tuple[str, str]]
                   max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                   top_k: int | None = None, seed: int | None = None, stop: Sequence[str] = (),
                   mode: str | None = None, expansion: Sequence[int] | None = (), ssms: Sequence[str] | None = (),
-                  children: str | None = None, sequence_depth: int | None = None) -> pb.GenerateRequest:
+                  children: str | None = None, sequence_depth: int | None = None,
+                  adaptive: bool | None = None) -> pb.GenerateRequest:
     """A GenerateRequest; None leaves a field unset (the server's default applies)."""
     request = pb.GenerateRequest(prompt=prompt or "", stop=list(stop),
                                  messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
@@ -31,7 +32,7 @@ def build_request(prompt: str | None = None, messages: Sequence[tuple[str, str]]
                          ("top_k", top_k), ("seed", seed)):
         if value is not None:
             setattr(request, field, value)
-    if mode or expansion or ssms or children or sequence_depth is not None:
+    if mode or expansion or ssms or children or sequence_depth is not None or adaptive is not None:
         s = request.speculation
         s.mode = {v: k for k, v in MODES.items()}[mode] if mode else pb.SPECULATION_MODE_UNSPECIFIED
         s.children = {v: k for k, v in CHILDREN.items()}[children] if children else pb.CHILDREN_RULE_UNSPECIFIED
@@ -39,6 +40,8 @@ def build_request(prompt: str | None = None, messages: Sequence[tuple[str, str]]
         s.ssms.extend(ssms or ())
         if sequence_depth is not None:
             s.sequence_depth = sequence_depth
+        if adaptive is not None:
+            s.adaptive = adaptive
     return request
 
 
@@ -48,7 +51,7 @@ def stats_dict(stats: pb.GenerationStats) -> dict:
               "total_ms", "draft_tokens", "accepted_tokens")
     return {**{name: getattr(stats, name) for name in fields},
             "accepted_per_ssm": dict(stats.accepted_per_ssm), "accepted_per_depth": list(stats.accepted_per_depth),
-            "hop_ms": dict(stats.hop_ms)}
+            "hop_ms": dict(stats.hop_ms), "tree_sizes": list(stats.tree_sizes)}
 
 
 def response_dict(response: pb.GenerateResponse) -> dict:

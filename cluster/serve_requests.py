@@ -87,7 +87,9 @@ def speculation_options(request: pb.GenerateRequest, base: SpeculationOptions,
         raise InvalidArgument("speculation.ssms", f"unknown SSM name(s) {unknown}; known: {list(limits.names)}")
     options = replace(
         base, mode=MODES.get(s.mode, base.mode), expansion=expansion, sequence_depth=depth,
-        children=CHILDREN.get(s.children, base.children), proposers=tuple(s.ssms) or base.proposers)
+        children=CHILDREN.get(s.children, base.children), proposers=tuple(s.ssms) or base.proposers,
+        adaptive=s.adaptive if s.HasField("adaptive") else base.adaptive,
+        policy="schedule" if s.expansion else base.policy)  # an explicit schedule is followed as given
     try:
         plan_proposers(limits.names, limits.neural, options)
     except ValueError as error:
@@ -181,7 +183,8 @@ def stats_message(stats: GenerationStats) -> pb.GenerationStats:
         tokens_per_step=stats.tokens_per_step, ms_per_token=stats.ms_per_token, draft_ms=stats.draft_ms,
         verify_ms=stats.verify_ms, total_ms=stats.total_ms, draft_tokens=stats.draft_tokens,
         accepted_tokens=stats.accepted_tokens, accepted_per_ssm=dict(stats.accepted_per_proposer),
-        accepted_per_depth=list(stats.accepted_per_depth), hop_ms=dict(stats.hop_ms))
+        accepted_per_depth=list(stats.accepted_per_depth), hop_ms=dict(stats.hop_ms),
+        tree_sizes=list(stats.tree_sizes))
 
 
 def finish_reason(reason: str | None) -> int:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
+
+from .tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -12,16 +17,21 @@ class TreeBudget:
 
     cap: int
     min_tree_nodes: int = 2
+    disable_above: int | None = None  # more running requests than this: no speculation (vLLM's disable_by_batch_size)
 
     def per_request(self, running: int) -> int:
         """Nodes (root included) one request's tree may have when ``running`` requests share a pass.
 
-        Example: cap 32, min 2 -> 1 running: 32, 4 running: 8, 32 running: 2.
+        Example: cap 32, min 2 -> 1 running: 32, 4 running: 8, 32 running: 2; with disable_above 16,
+        32 running: 1 (the root alone: plain decoding, no drafting).
         """
+        if self.disable_above is not None and running > self.disable_above:
+            return 1
         return max(self.min_tree_nodes, self.cap // max(1, running))
 
 
-def budget_from_curve(curve: dict[int, float], slack: float, min_tree_nodes: int = 2) -> TreeBudget:
+def budget_from_curve(curve: dict[int, float], slack: float, min_tree_nodes: int = 2,
+                      disable_above: int | None = None) -> TreeBudget:
     """The largest measured pass size costing at most (1 + slack) x a one-token pass.
 
     While a pass costs about as much as a decode step the target is memory-bound and extra tree
@@ -32,7 +42,7 @@ def budget_from_curve(curve: dict[int, float], slack: float, min_tree_nodes: int
         raise ValueError("the verify-cost curve needs the one-token pass (size 1)")
     limit = (1.0 + slack) * curve[1]
     cap = max(size for size, ms in curve.items() if ms <= limit)
-    return TreeBudget(cap, min_tree_nodes)
+    return TreeBudget(cap, min_tree_nodes, disable_above)
 
 
 def measure_curve(time_pass: Callable[[int], float], max_tokens: int, slack: float) -> dict[int, float]:
@@ -50,3 +60,26 @@ def measure_curve(time_pass: Callable[[int], float], max_tokens: int, slack: flo
         size *= 2
     curve[1] = min(curve[1], time_pass(1))
     return curve
+
+
+def time_tree_pass(target, state, size: int) -> float:
+    """ms of one verify pass over a chain of ``size`` tokens on ``state`` (``engine.target.Target``),
+    committed as the root alone afterwards (the state's cache grows by one token per pass)."""
+    tree = TokenTree(torch.zeros(size, dtype=torch.long), torch.arange(-1, size - 1, dtype=torch.long))
+    prefix = state.length
+    began = time.perf_counter()
+    target.forward_tree(state, tree)
+    elapsed = (time.perf_counter() - began) * 1e3
+    target.commit(state, prefix, (0,))
+    return elapsed
+
+
+def measure_target_curve(target, max_tokens: int, slack: float, prefix: int = 256) -> dict[int, float]:
+    """The verify-cost curve of any target (``engine.target.Target``) on a ``prefix``-token request:
+    what cost-aware shapes read where no packed-forward timing exists (in-process engines)."""
+    state = target.new_state(reserve_tokens=prefix + 4 * max_tokens + 64)
+    try:
+        target.prefill(state, [0] * prefix)
+        return measure_curve(lambda size: time_tree_pass(target, state, size), max_tokens, slack)
+    finally:
+        target.release(state)

@@ -1,7 +1,9 @@
-"""Proposers: SSM drafting by top-k expansion (a tree level per forward) and prompt lookup."""
+"""The SSM proposer: drafting by top-k expansion (a tree level per forward). The model-free suffix
+proposer (``actors.suffix``) builds its proposals with ``TreeBuilder`` too."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -9,6 +11,7 @@ from transformers import DynamicCache
 
 from . import kv
 from .sampling import SamplingParams, warp
+from .shape import ShapeHistory, TreeCost, another_level_pays, best_size
 from .tree import TokenTree, ancestor_mask, attention_bias
 
 CHILDREN_RULES = ("top_k", "sampled", "sampled_without_replacement")
@@ -21,7 +24,7 @@ class Draws:
     node:          # [M] int64, the drawn child's node index (>= 1)
     proposer:      # [M] int64, who drew it
     q:             # [M, V] float32, the exact distribution each draw came from, or None
-    deterministic: # [M] bool, True for top-k / n-gram children (a point mass on the token)
+    deterministic: # [M] bool, True for top-k / suffix-proposer children (a point mass on the token)
     """
 
     node: torch.Tensor  # [M]
@@ -44,7 +47,9 @@ class DraftSpec:
     children: str = "top_k"
     sampling: SamplingParams = SamplingParams()
     min_confidence: float = 0.0  # expand a node only if the SSM's path probability reaches this
-    max_nodes: int | None = None  # the most nodes this proposer may draw, root included (the n-gram's budget)
+    max_nodes: int | None = None  # the most nodes this proposer may draw, root included (the suffix proposer's budget)
+    adaptive: bool = True  # the shape may use other requests' history and measured costs (SpeculationOptions)
+    cost: TreeCost | None = None  # a cost-aware shape (engine.shape) instead of the schedule, for top-k children
 
     def __post_init__(self) -> None:
         if self.children not in CHILDREN_RULES:
@@ -56,6 +61,12 @@ class DraftSpec:
     def rule(self) -> str:
         """Greedy requests always take deterministic top-k children."""
         return "top_k" if self.sampling.greedy else self.children
+
+    @property
+    def cost_aware(self) -> bool:
+        """Whether the shape follows the cost model: only for deterministic children (re-ranking
+        drawn children would bias sampled output) and adaptive requests."""
+        return self.cost is not None and self.adaptive and self.rule == "top_k"
 
 
 @dataclass
@@ -137,12 +148,22 @@ class ModelDrafter:
         self.model = model
         self.proposer = proposer
         self.name = name
+        self.level_ms = 0.0  # a level forward's cost (moving average), for cost-aware shapes
+        self._shapes: dict[int, tuple[object, ShapeHistory]] = {}  # id(state) -> (state, its shape history)
 
     def new_state(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
 
     def release(self, state: DynamicCache) -> None:
-        """Nothing to give back: a DynamicCache is freed with its state (PagedDrafter overrides)."""
+        """Forget the request's shape history; a DynamicCache is freed with its state."""
+        self._shapes.pop(id(state), None)
+
+    def shape_history(self, state) -> ShapeHistory:
+        """The request's calibration and last proposal (made on first use, dropped by ``release``)."""
+        entry = self._shapes.get(id(state))
+        if entry is None or entry[0] is not state:
+            entry = self._shapes[id(state)] = (state, ShapeHistory())
+        return entry[1]
 
     @torch.inference_mode()
     def draft(
@@ -153,6 +174,8 @@ class ModelDrafter:
         ``committed`` ends with the root (the last committed token). On return the cache holds
         exactly the committed tokens: the drafted levels are cropped away.
         """
+        if spec.cost_aware:
+            return self._draft_by_cost(cache, committed, spec)
         logits = self._extend(cache, committed)[None]  # [F, V], F = 1 at the root
         builder = TreeBuilder(root=committed[-1], proposer=self.proposer)
         frontier, cached, confidence = [0], [], {0: 1.0}
@@ -171,6 +194,67 @@ class ModelDrafter:
             cached += frontier
         self._rollback(cache, len(committed))
         return builder.build()
+
+    def _draft_by_cost(self, cache, committed: list[int], spec: DraftSpec) -> Proposal:
+        """Cost-aware growth (``engine.shape``): each level's ``beam`` most probable nodes get their
+        ``branch`` most likely children while one more level is expected to pay; the nodes that
+        maximise expected tokens per ms are kept."""
+        began, cost, limit = time.perf_counter(), spec.cost, (spec.max_nodes or 1 << 30) - 1
+        history = self.shape_history(cache)
+        stepping = history.last is not None  # not the request's first draft, which feeds its whole prompt
+        history.observe(committed)
+        logits = self._extend(cache, committed)[None]  # [F, V], F = 1 at the root
+        if stepping:  # the accepted tokens: a forward of a few tokens, like a level's, keeps the estimate fresh
+            self._time_forward(began)
+        builder, path = TreeBuilder(root=committed[-1], proposer=self.proposer), [1.0]
+        frontier, cached = [0], []
+        for depth in range(1, cost.max_depth + 1):
+            first = len(builder.tokens)
+            ratio = self._expand(builder, path, logits, frontier, cost.branch)
+            frontier = sorted(range(first, len(builder.tokens)), key=lambda n: -path[n])[:cost.beam]
+            elapsed = (time.perf_counter() - began) * 1e3
+            if depth == cost.max_depth or not another_level_pays(
+                    sorted(path[1:], reverse=True), [path[n] for n in frontier], ratio, history.calibration,
+                    elapsed, self.level_ms, cost, limit):
+                break
+            level_began = time.perf_counter()
+            logits = self._forward_level(cache, builder, frontier, cached, depth, len(committed))
+            self._time_forward(level_began)
+            cached += frontier
+        self._rollback(cache, len(committed))
+        return self._keep_best(builder, path, history, len(committed), (time.perf_counter() - began) * 1e3,
+                               cost, limit)
+
+    def _time_forward(self, began: float) -> None:
+        """Fold one SSM forward's ms into ``level_ms`` (a moving average)."""
+        ms = (time.perf_counter() - began) * 1e3
+        self.level_ms = ms if not self.level_ms else 0.8 * self.level_ms + 0.2 * ms
+
+    def _expand(self, builder: TreeBuilder, path: list[float], logits: torch.Tensor,  # logits [F, V]
+                frontier: list[int], branch: int) -> float:
+        """Add each frontier node's ``branch`` most likely children (deterministic draws), with their
+        path probabilities; return the mean probability of the top children."""
+        tops = []
+        for row, parent in zip(logits, frontier):
+            top = torch.topk(torch.softmax(row, dim=-1), branch)
+            tops.append(float(top.values[0]))
+            for p, token in zip(top.values.tolist(), top.indices.tolist()):
+                if builder.add(parent, token, None) == len(path):
+                    path.append(path[parent] * p)
+        return sum(tops) / len(tops)
+
+    def _keep_best(self, builder: TreeBuilder, path: list[float], history: ShapeHistory, length: int,
+                   draft_ms: float, cost: TreeCost, limit: int) -> Proposal:
+        """The best-rate prefix of the nodes ranked by path probability (ties: lower index first, so
+        a parent precedes its children and the kept nodes form a tree), in topological order."""
+        ranked = sorted(range(1, len(builder.tokens)), key=lambda n: (-path[n], n))
+        count, _ = best_size([path[n] for n in ranked], history.calibration, draft_ms, cost, limit)
+        kept = sorted(ranked[:count])
+        pruned, index = TreeBuilder(root=builder.root, proposer=self.proposer), {0: 0}
+        for node in kept:
+            index[node] = pruned.add(index[builder.parents[node]], builder.tokens[node], None)
+        history.last = (length, list(pruned.tokens), list(pruned.parents), [1.0] + [path[n] for n in kept])
+        return pruned.build()
 
     def _rollback(self, cache: DynamicCache, length: int) -> None:
         """Drop the drafted levels: keep the ``length`` committed tokens."""
@@ -203,54 +287,3 @@ class ModelDrafter:
                          **kv.cache_argument(self.model, cache), use_cache=True)
         return out.logits[0].float().cpu()
 
-
-class NgramDrafter:
-    """Prompt lookup: copy what followed earlier occurrences of the last n tokens.
-
-    A non-neural ensemble member with no state and no cost worth counting; strong where output
-    repeats its input (code edits, quoting). Its children are deterministic (point masses).
-    """
-
-    def __init__(self, proposer: int, name: str = "ngram", max_ngram: int = 3, min_ngram: int = 1,
-                 max_tokens: int = 8, max_matches: int = 2):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.proposer, self.name = proposer, name
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.max_tokens, self.max_matches = max_tokens, max_matches
-
-    def new_state(self) -> None:
-        return None
-
-    def release(self, state: None) -> None:
-        """Stateless."""
-
-    def draft(self, state: None, committed: list[int], spec: DraftSpec, generator: torch.Generator) -> Proposal:
-        """Continuations as chains under the root, at most ``spec.max_nodes`` nodes in all."""
-        builder = TreeBuilder(root=committed[-1], proposer=self.proposer)
-        limit = spec.max_nodes if spec is not None and spec.max_nodes else None
-        for continuation in self.continuations(committed):
-            parent = 0
-            for token in continuation:
-                if limit is not None and len(builder.tokens) >= limit and (parent, token) not in builder.index:
-                    return builder.build()
-                parent = builder.add(parent, token, None)
-        return builder.build()
-
-    def continuations(self, committed: list[int]) -> list[list[int]]:
-        """Up to ``max_matches`` distinct continuations, longest matching n-gram first, latest first.
-
-        Example: committed [5, 6, 7, 9, 5, 6], max_ngram 2, max_tokens 2 -> [[7, 9]].
-        """
-        found: list[list[int]] = []
-        for n in range(min(self.max_ngram, len(committed) - 1), self.min_ngram - 1, -1):
-            pattern = committed[-n:]
-            for start in range(len(committed) - n - 1, -1, -1):
-                if committed[start : start + n] != pattern:
-                    continue
-                continuation = committed[start + n : start + n + self.max_tokens]
-                if continuation and continuation not in found:
-                    found.append(continuation)
-                if len(found) == self.max_matches:
-                    return found
-        return found

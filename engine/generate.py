@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-from .draft import ModelDrafter, NgramDrafter
+from .draft import ModelDrafter
 from .requests import GenerationRequest, GenerationResult, StepOutcome, StepUpdate
 from .step import (TARGET_STREAM, Assignment, Drafted, Session, draft_with, first_token, iterate_sync,
                    merge_drafts, verify_and_commit)
 from .sampling import make_generator
+from .shape import TreeCost
 from .target import Target
 
 
@@ -47,11 +48,15 @@ class LocalBackend:
 
 
 class SpeculativeEngine:
-    """In-process engine: one target and any number of proposers (SSMs and n-gram), in proposer order."""
+    """In-process engine: one target and any number of proposers (SSMs, the suffix proposer), in proposer order.
 
-    def __init__(self, target: Target, drafters: Sequence[ModelDrafter | NgramDrafter], tokenizer, eos_ids,
-                 max_context: int | None = None):
+    ``cost``: the cost model of cost-aware tree shapes (``engine.shape``; ``cluster.build`` measures
+    the target's verify-cost curve for it), None for the schedule's shapes."""
+
+    def __init__(self, target: Target, drafters: Sequence[object], tokenizer, eos_ids,
+                 max_context: int | None = None, cost: TreeCost | None = None):
         self.target, self.drafters, self.tokenizer = target, list(drafters), tokenizer
+        self.cost = cost  # the cost model of cost-aware tree shapes (engine.shape); None: schedules
         self.eos_ids = frozenset(eos_ids)
         self.names = tuple(d.name for d in self.drafters)
         self.neural = tuple(isinstance(d, ModelDrafter) for d in self.drafters)
@@ -79,7 +84,7 @@ class SpeculativeEngine:
         """Yield one StepUpdate per target step; the last one carries the finish reason."""
         self.check_request(request)
         session = Session(LocalBackend(self, request), request, self.names, self.neural, self.tokenizer,
-                          self.eos_ids)
+                          self.eos_ids, cost=self.cost)
         try:
             yield from iterate_sync(session.updates())
         finally:  # also when the caller stops early (a cancel): paged KV blocks go back

@@ -84,9 +84,22 @@ def load_model(spec: ModelSpec, attn_implementation: str = "sdpa") -> LoadedMode
         source, dtype=DTYPES[spec.dtype], attn_implementation=attn_implementation,
         use_safetensors=None if "gguf_file" in kwargs else True, **kwargs
     )
-    model.to(resolve_device(spec.device)).eval()
+    device = resolve_device(spec.device)
+    model.to(device).eval()
+    if device.type == "cpu" and spec.dtype == "bfloat16" and not cpu_has_bf16():
+        logger.warning("%s: bfloat16 on a CPU without native bf16 (no AVX512-BF16 / AMX): matrix products are "
+                       "emulated, a forward of several tokens costs several times one of a single token and "
+                       "trees barely pay; float32 is faster here (dtype: float32)", spec.name)
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (oneDNN's check: AVX512-BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @dataclass(frozen=True)

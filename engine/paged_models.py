@@ -64,6 +64,7 @@ class PagedDrafter(ModelDrafter):
         return PagedSequence(self.pool, reserve_tokens)
 
     def release(self, state: PagedSequence) -> None:
+        super().release(state)
         state.release()
 
     def draft(self, state: PagedSequence, committed: list[int], spec: DraftSpec,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from .sampling import SamplingParams
 
 MODES = ("incremental", "sequence", "tree")
+POLICIES = ("cost", "schedule")  # tree shapes: cost-aware (engine.shape) where a cost model exists, or the schedule
 HOPS = ("draft", "merge", "verify", "transport")  # where a step's wall time goes (GenerationStats.hop_ms)
 
 
@@ -27,10 +28,17 @@ class SpeculationOptions:
     proposers: tuple[str, ...] | None = None
     max_tree_nodes: int = 64
     min_confidence: float = 0.0  # dynamic tree: expand a node only above this SSM path probability
+    # The tree's shape may follow measured costs, load and other requests' outputs (the suffix
+    # proposer's global store, cost-aware sizes). False: a shape from the request alone, so a seeded
+    # sampled request gives the same tokens whatever else the server ran.
+    adaptive: bool = True
+    policy: str = "cost"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.sequence_depth < 1 or self.max_tree_nodes < 1:
             raise ValueError("sequence_depth and max_tree_nodes must be >= 1")
         if not 0.0 <= self.min_confidence <= 1.0:
@@ -85,6 +93,7 @@ class GenerationStats:
     accepted_per_proposer: dict[str, int] = field(default_factory=dict)
     accepted_per_depth: list[int] = field(default_factory=list)
     hop_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(HOPS, 0.0))
+    tree_sizes: list[int] = field(default_factory=list)  # each step's merged tree: draft tokens (root excluded)
 
     @property
     def tokens_per_step(self) -> float:
@@ -106,6 +115,7 @@ class GenerationStats:
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
             "accepted_per_proposer": dict(self.accepted_per_proposer),
             "accepted_per_depth": list(self.accepted_per_depth), "hop_ms": dict(self.hop_ms),
+            "tree_sizes": list(self.tree_sizes),
         }
 
 

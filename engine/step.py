@@ -27,6 +27,7 @@ from .draft import DraftSpec, Draws, Proposal
 from .merge import merge
 from .requests import (HOPS, GenerationRequest, GenerationStats, SpeculationOptions, StepOutcome, StepUpdate)
 from .sampling import SamplingParams, make_generator, warp
+from .shape import TreeCost
 from .target import Target, TargetStateLike
 from .text import TextStream
 from .tree import TokenTree, depths, fit_schedule, schedule_nodes
@@ -57,13 +58,15 @@ class Assignment:
 
 
 def plan_proposers(names: Sequence[str], neural: Sequence[bool], options: SpeculationOptions,
-                   sampling: SamplingParams = SamplingParams()) -> tuple[Assignment, ...]:
+                   sampling: SamplingParams = SamplingParams(), cost: TreeCost | None = None) -> tuple[Assignment, ...]:
     """The proposers a request uses, in proposer order. Raises ValueError for unknown names.
 
     ``neural[i]`` tells whether proposer i is a model (sequence mode needs one). Trees are fitted
     to ``options.max_tree_nodes`` (root included) before drawing; each spec's ``max_nodes`` is the
-    most nodes its proposer can draw: a model its schedule's full tree, the n-gram the budget.
-    Example: names ("a", "ngram"), neural (True, False), mode "sequence", depth 3 ->
+    most nodes its proposer can draw: a model its schedule's full tree, the suffix proposer the budget.
+    With ``cost`` and policy "cost" the models' shapes are cost-aware (``engine.shape``), up to the
+    budget; a spec applies it only to top-k children of adaptive requests (``DraftSpec.cost_aware``).
+    Example: names ("a", "suffix"), neural (True, False), mode "sequence", depth 3 ->
     (Assignment(0, DraftSpec((1, 1, 1), "sampled", max_nodes=4)),).
     """
     unknown = set(options.proposers or ()) - set(names)
@@ -79,8 +82,10 @@ def plan_proposers(names: Sequence[str], neural: Sequence[bool], options: Specul
         schedule = fit_schedule((1,) * options.sequence_depth, options.max_tree_nodes)
         return (Assignment(models[0], DraftSpec(schedule, "sampled", sampling, max_nodes=schedule_nodes(schedule))),)
     schedule = fit_schedule(options.expansion, options.max_tree_nodes)
+    shaped = cost if options.policy == "cost" else None
     specs = {model: DraftSpec(schedule, options.children, sampling, min_confidence=options.min_confidence,
-                              max_nodes=schedule_nodes(schedule) if model else options.max_tree_nodes)
+                              max_nodes=schedule_nodes(schedule) if model and not shaped else options.max_tree_nodes,
+                              adaptive=options.adaptive, cost=shaped if model else None)
              for model in (True, False)}
     return tuple(Assignment(i, specs[bool(neural[i])]) for i in chosen)
 
@@ -89,8 +94,8 @@ def tree_reservation(plan: Sequence[Assignment]) -> int:
     """KV entries one step's merged tree can need at most: what admission reserves for it.
 
     Each proposer's tree has at most ``spec.max_nodes`` nodes (root included) and all share the
-    root. Example: two SSMs with schedule (2, 2, 1, 1) (15 nodes) and the n-gram with a budget of
-    64 -> 1 + 14 + 14 + 63 = 92; no proposers -> 1 (the root alone).
+    root. Example: two SSMs with schedule (2, 2, 1, 1) (15 nodes) and the suffix proposer with a budget
+    of 64 -> 1 + 14 + 14 + 63 = 92; no proposers -> 1 (the root alone).
     """
     return 1 + sum(a.spec.max_nodes - 1 for a in plan)
 
@@ -188,11 +193,14 @@ class Session:
 
     ``names``/``neural``: the proposers in proposer order. ``tree_budget()``: the most nodes
     (root included) this request's tree may have this step, None for no cap beyond the request's.
+    ``cost``: the cost model of cost-aware shapes (None: every tree follows its schedule).
     """
 
     def __init__(self, backend: Backend, request: GenerationRequest, names: Sequence[str], neural: Sequence[bool],
-                 tokenizer, eos_ids, tree_budget: Callable[[], int | None] = lambda: None):
+                 tokenizer, eos_ids, tree_budget: Callable[[], int | None] = lambda: None,
+                 cost: TreeCost | None = None):
         self.backend, self.request, self.names, self.neural = backend, request, tuple(names), tuple(neural)
+        self.cost = cost
         self.eos_ids, self.tree_budget = frozenset(eos_ids), tree_budget
         self.stats = GenerationStats(mode=request.speculation.mode)
         self.committed = list(request.prompt_ids)
@@ -234,8 +242,11 @@ class Session:
     def _plan(self, max_tree_nodes: int) -> None:
         """The assignments for trees of at most ``max_tree_nodes`` (kept until that changes)."""
         self.planned_nodes = max_tree_nodes
+        if max_tree_nodes <= 1:  # the root alone: plain decoding, nobody drafts
+            self.plan = ()
+            return
         options = replace(self.request.speculation, max_tree_nodes=max_tree_nodes)
-        self.plan = plan_proposers(self.names, self.neural, options, self.request.sampling)
+        self.plan = plan_proposers(self.names, self.neural, options, self.request.sampling, self.cost)
 
     def _fit_to_budget(self) -> None:
         budget, nodes = self.tree_budget(), self.request.speculation.max_tree_nodes
@@ -258,6 +269,7 @@ def record_step(stats: GenerationStats, outcome: StepOutcome, names: Sequence[st
     """Count one verify step: acceptance per depth and per proposer, and the time per hop."""
     stats.target_steps += 1
     stats.draft_tokens += outcome.draft_tokens
+    stats.tree_sizes.append(outcome.draft_tokens)
     for depth, proposers in zip(outcome.accepted_depths, outcome.accepted_by):
         stats.accepted_per_depth.extend([0] * (depth - len(stats.accepted_per_depth)))
         stats.accepted_per_depth[depth - 1] += 1

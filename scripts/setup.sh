@@ -9,4 +9,10 @@ PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
   "$PYTHON" -m pip install --quiet torch==2.13.0
 fi
+# arctic-inference (the suffix proposer's suffix trees) ships as an sdist: build it against the
+# installed interpreter with its build tools (~30 s on CPU), so the install below finds it satisfied.
+if ! "$PYTHON" -c 'import arctic_inference.suffix_decoding' 2>/dev/null; then
+  "$PYTHON" -m pip install --quiet cmake nanobind==2.9.2 ninja
+  "$PYTHON" -m pip install --quiet --no-build-isolation arctic-inference==0.3.0
+fi
 "$PYTHON" -m pip install --quiet -e ".[test,bench]"

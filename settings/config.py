@@ -35,18 +35,42 @@ class ModelConfig(Strict):
     quantize: Literal["none", "int8"] = "none"
 
 
-class NgramConfig(Strict):
-    """Prompt-lookup proposer."""
+class SuffixConfig(Strict):
+    """The suffix-tree proposer (SuffixDecoding): continuations of the request's own prompt and output,
+    and of the responses of earlier requests kept in a global store (per served replica)."""
 
-    name: str = "ngram"
-    max_ngram: int = Field(default=3, ge=1)
-    min_ngram: int = Field(default=1, ge=1)
-    max_tokens: int = Field(default=8, ge=1)
-    max_matches: int = Field(default=2, ge=1)
+    name: str = "suffix"
+    max_tree_depth: int = Field(default=24, ge=1, le=4096,
+                                description="longest context matched and longest pattern stored, in tokens")
+    max_cached_requests: int = Field(default=10000, ge=0, le=2**31 - 1,
+                                     description="responses kept in the global store, evicted first in, "
+                                                 "first out; 0 switches the global store off")
+    max_spec_tokens: int = Field(default=32, ge=1, le=1024,
+                                 description="the most tokens one proposal holds (also bounded by max_tree_nodes)")
+    max_spec_factor: float = Field(default=1.0, ge=0.0,
+                                   description="propose at most factor x matched length + offset tokens")
+    max_spec_offset: float = Field(default=0.0, description="see max_spec_factor")
+    min_token_prob: float = Field(default=0.1, ge=0.0, le=1.0,
+                                  description="propose a token only if its estimated probability reaches this")
+
+
+class CostTreeConfig(Strict):
+    """Cost-aware tree shapes (engine.shape, after EAGLE-2): each level expands its ``beam`` most
+    probable nodes with their ``branch`` top children, up to ``max_depth`` levels; the kept node
+    count maximises expected tokens per ms from the measured verify-cost curve and the request's
+    calibrated acceptance."""
+
+    beam: int = Field(default=4, ge=1, le=64, description="nodes expanded per level (the most probable)")
+    branch: int = Field(default=4, ge=1, le=64, description="children drafted per expanded node")
+    max_depth: int = Field(default=8, ge=1, le=32, description="SSM levels at most")
+    curve_max_tokens: int = Field(default=64, ge=1, le=4096, description="the verify-cost curve is measured up to this")
 
 
 class SpeculationConfig(Strict):
     mode: Literal["incremental", "sequence", "tree"] = "tree"
+    policy: Literal["cost", "schedule"] = Field(
+        default="cost", description="tree shapes: cost-aware (top-k children; `cost`) or the fixed `expansion`")
+    cost: CostTreeConfig = CostTreeConfig()
     expansion: list[int] = Field(default_factory=lambda: [2, 2, 1, 1])
     sequence_depth: int = Field(default=4, ge=1, le=32)
     children: Literal["top_k", "sampled", "sampled_without_replacement"] = "top_k"
@@ -111,6 +135,9 @@ class TreeBudgetConfig(Strict):
     slack: float = Field(default=1.0, ge=0.0)
     min_tree_nodes: int = Field(default=2, ge=1)
     max_total_tokens: int = Field(default=128, ge=1, le=4096)
+    disable_above_running: int | None = Field(
+        default=None, ge=1, description="with more running requests than this, no request speculates (plain "
+                                         "decoding; like vLLM's speculative_disable_by_batch_size); null: never")
 
 
 class HealthConfig(Strict):
@@ -151,7 +178,7 @@ class EngineConfig(Strict):
     torch_threads: int | None = Field(default=None, ge=1)
     target: ModelConfig
     ssms: list[ModelConfig] = Field(default_factory=list)
-    ngram: NgramConfig | None = NgramConfig()
+    suffix: SuffixConfig | None = SuffixConfig()
     speculation: SpeculationConfig = SpeculationConfig()
     defaults: SamplingDefaults = SamplingDefaults()
     verifier: VerifierConfig = VerifierConfig()
@@ -159,11 +186,19 @@ class EngineConfig(Strict):
 
     @model_validator(mode="after")
     def _unique_names(self) -> "EngineConfig":
-        names = [m.name for m in self.ssms] + ([self.ngram.name] if self.ngram else [])
+        names = self.proposer_names()
         if len(set(names)) != len(names):
             raise ValueError(f"SSM names must be unique, got {names}")
         self._threads_fit_requests()
         return self
+
+    def proposer_names(self) -> list[str]:
+        """Every proposer in engine order: the SSMs, then the suffix proposer."""
+        return [m.name for m in self.ssms] + ([self.suffix.name] if self.suffix else [])
+
+    def proposer_neural(self) -> list[bool]:
+        """Whether each proposer of ``proposer_names`` is a model (the suffix proposer is not)."""
+        return [True] * len(self.ssms) + ([False] if self.suffix else [])
 
     def _threads_fit_requests(self) -> None:
         """Each running request has one call at a time in each actor (draft, merge, prefill or
@@ -177,6 +212,12 @@ class EngineConfig(Strict):
                 raise ValueError(f"{name}.max_concurrency ({options.max_concurrency}) is below "
                                  f"server.max_concurrent_requests ({limit}): each running request has a call in "
                                  f"every actor; give the actors about 1.5x as many threads ({limit * 3 // 2})")
+
+    @property
+    def cost_aware_shapes(self) -> bool:
+        """Whether cost-aware tree shapes can apply (policy "cost" and an SSM): the verify-cost
+        curve is measured at start then."""
+        return self.speculation.policy == "cost" and bool(self.ssms)
 
     def resolved_models_dir(self) -> Path:
         return Path(os.environ.get("SPECINFER_MODELS") or self.models_dir).expanduser()

@@ -73,15 +73,19 @@ def make_tiny_models(root: Path) -> dict[str, Path]:
 
 def engine_args(paths: dict[str, Path], **server) -> dict:
     """Engine config (the Serve app's args): two SSMs (an independent tiny model and the target's
-    first layer) plus n-gram; small fractional actors with one torch thread each."""
+    first layer) plus the suffix proposer; small fractional actors with one torch thread each."""
     actor = {"num_cpus": 0.25, "torch_threads": 1, "max_concurrency": 8}
     return {
         "models_dir": str(paths["target"].parent), "dtype": "float32", "torch_threads": 1,
         "target": {"name": "tiny-target", "source": str(paths["target"])},
         "ssms": [{"name": "ssm-a", "source": str(paths["ssm-a"])},
                  {"name": "ssm-b", "source": str(paths["target"]), "num_layers": 1}],
-        "ngram": {"name": "ngram"},
-        "speculation": {"mode": "tree", "expansion": [2, 2, 1], "max_tree_nodes": 32},
+        # No global store: served output is compared with the in-process engine step for step, and the
+        # store's contents would depend on which requests each side ran before.
+        "suffix": {"name": "suffix", "max_cached_requests": 0},
+        # Fixed shapes: cost-aware ones follow timings, which differ between the two sides (the served
+        # cost-aware path has its own test).
+        "speculation": {"mode": "tree", "policy": "schedule", "expansion": [2, 2, 1], "max_tree_nodes": 32},
         "defaults": {"max_new_tokens": 24},
         "verifier": {"actor": actor},
         "server": {"max_concurrent_requests": 2, "max_new_tokens_limit": 400, "request_ttl_s": 600.0,

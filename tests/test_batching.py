@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
-from engine.draft import ModelDrafter, NgramDrafter
+from actors.suffix import SuffixDrafter
+from engine.draft import ModelDrafter
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.generate import SpeculativeEngine
 from engine.kv_pool import BlockPool, KVStorage, PagedSequence, PoolExhausted
@@ -39,7 +40,7 @@ def batched_engine(models, eos=(), tokens: int = 4096, block_size: int = 16) -> 
     target, ssm = models
     target_pool, target_batcher = paged_parts(target, tokens, block_size)
     ssm_pool, ssm_batcher = paged_parts(ssm, tokens, block_size)
-    drafters = [PagedDrafter(ssm, 0, "ssm", ssm_pool, ssm_batcher), NgramDrafter(1)]
+    drafters = [PagedDrafter(ssm, 0, "ssm", ssm_pool, ssm_batcher), SuffixDrafter(1)]
     return SpeculativeEngine(PagedTarget(target, target_pool, target_batcher), drafters, IdTokenizer(), eos, 1024)
 
 
@@ -75,7 +76,7 @@ MIXED = [  # (prompt, max_new_tokens, speculation): mixed lengths and modes in o
     (tuple(range(10, 40)), 33, TREE),
     (tuple(range(5, 17)), 7, SpeculationOptions(mode="incremental")),
     (tuple(range(20, 31)), 41, SpeculationOptions(mode="sequence", sequence_depth=3)),
-    (tuple([7, 7, 9, 7, 7, 9, 7]), 25, SpeculationOptions(expansion=(3, 1, 1), proposers=("ngram",))),
+    (tuple([7, 7, 9, 7, 7, 9, 7]), 25, SpeculationOptions(expansion=(3, 1, 1), proposers=("suffix",))),
     (tuple(range(40, 90)), 12, SpeculationOptions(expansion=(2, 1, 1, 1), min_confidence=0.2)),
 ]
 
@@ -93,6 +94,7 @@ def test_batched_greedy_equals_alone_and_generate(models):
     assert counters.largest >= 3, counters  # forwards were shared (made certain by hold_next)
     assert engine.drafters[0].batcher.counters.largest >= 2
     assert all(pool.num_free == pool.num_blocks and pool.num_unreserved == pool.num_blocks for pool in pools(engine))
+    assert not engine.drafters[1].shared.active_requests  # every request stopped in the suffix proposer
 
 
 def test_eos_inside_trees_and_a_cancel_mid_run(models):
@@ -130,7 +132,9 @@ def test_sampled_requests_with_different_settings_in_one_batch_are_reproducible(
     settings_ = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_k=10, seed=2),
                  SamplingParams(temperature=0.0), SamplingParams(temperature=1.2, top_p=0.9, seed=3)]
     children = ["sampled", "sampled_without_replacement", "top_k", "top_k"]
-    requests = [GenerationRequest(tuple(range(20, 32)), 24, s, SpeculationOptions(expansion=(2, 2), children=c))
+    # Not adaptive: the suffix proposer's global store would otherwise hold the earlier runs' answers.
+    requests = [GenerationRequest(tuple(range(20, 32)), 24, s, SpeculationOptions(expansion=(2, 2), children=c,
+                                                                                   adaptive=False))
                 for s, c in zip(settings_, children)]
     alone = [engine.generate(r).token_ids for r in requests]
     batched = run_threads(engine, requests, delays=[0.0] * 4)
@@ -272,19 +276,49 @@ def test_plain_model_path_still_works_after_paging(models):
         target, list(prompt), 16)
 
 
-BUDGETS = [  # (curve, slack, min nodes, running -> expected per-request nodes)
-    ({1: 185, 4: 190, 8: 222, 16: 280, 32: 410}, 0.6, 2, {1: 16, 2: 8, 4: 4, 8: 2, 16: 2}),
-    ({1: 100, 2: 100, 4: 300}, 1.0, 1, {1: 2, 2: 1, 3: 1}),
-    ({1: 10, 64: 15, 128: 19}, 1.0, 3, {1: 128, 8: 16, 64: 3}),
+BUDGETS = [  # (curve, slack, min nodes, disable above, running -> expected per-request nodes)
+    ({1: 185, 4: 190, 8: 222, 16: 280, 32: 410}, 0.6, 2, None, {1: 16, 2: 8, 4: 4, 8: 2, 16: 2}),
+    ({1: 100, 2: 100, 4: 300}, 1.0, 1, None, {1: 2, 2: 1, 3: 1}),
+    ({1: 10, 64: 15, 128: 19}, 1.0, 3, None, {1: 128, 8: 16, 64: 3}),
+    ({1: 10, 64: 15, 128: 19}, 1.0, 3, 8, {1: 128, 8: 16, 9: 1, 64: 1}),  # above 8 running: plain decoding
 ]
 
 
-@pytest.mark.parametrize("curve,slack,minimum,expected", BUDGETS)
-def test_tree_budget_from_the_verify_cost_curve(curve, slack, minimum, expected):
+@pytest.mark.parametrize("curve,slack,minimum,disable_above,expected", BUDGETS)
+def test_tree_budget_from_the_verify_cost_curve(curve, slack, minimum, disable_above, expected):
     from engine.budget import budget_from_curve
 
-    budget = budget_from_curve(curve, slack, minimum)
+    budget = budget_from_curve(curve, slack, minimum, disable_above)
     assert {running: budget.per_request(running) for running in expected} == expected
+
+
+def test_a_one_node_budget_drafts_nothing():
+    """A budget of the root alone (speculation disabled at this load): no proposer is called."""
+    from engine.step import Session
+
+    class NoDrafts:
+        async def prefill(self, prompt_ids):
+            return 1
+
+        async def draft(self, committed, plan):
+            raise AssertionError("drafted with a one-node budget")
+
+        async def verify(self, drafted):
+            from engine.step import step_outcome
+            from engine.verify import Verdict
+
+            assert drafted.proposal.tree.size == 1
+            return step_outcome(drafted, Verdict((0,), 2, bonus=True), 1.0)
+
+        def release(self):
+            pass
+
+    from engine.step import iterate_sync
+
+    session = Session(NoDrafts(), GenerationRequest((5, 6), 4), ("ssm",), (True,), IdTokenizer(), (),
+                      tree_budget=lambda: 1)
+    updates = list(iterate_sync(session.updates()))
+    assert [u.token_ids for u in updates] == [(1,), (2,), (2,), (2,)]
 
 
 def test_measure_curve_stops_past_the_limit_and_keeps_the_faster_reference():
@@ -301,19 +335,3 @@ def test_tree_budget_trims_the_schedule_not_the_drawn_tree():
 
     plan = plan_proposers(("ssm",), (True,), SpeculationOptions(expansion=(2, 2, 1), max_tree_nodes=4))
     assert plan[0].spec.schedule == (2,)  # 1 + 2 nodes; a second level would make 7
-
-
-NGRAM_LIMITS = [  # (max_nodes, expected tree tokens): continuations [[7, 9, 5]] and [[9, ...]]
-    (None, 4),
-    (3, 3),
-    (1, 1),
-]
-
-
-@pytest.mark.parametrize("max_nodes,expected", NGRAM_LIMITS)
-def test_ngram_proposal_respects_the_tree_budget(max_nodes, expected):
-    from engine.draft import DraftSpec
-
-    drafter = NgramDrafter(0, max_ngram=2, max_tokens=3, max_matches=1)
-    proposal = drafter.draft(None, [5, 6, 7, 9, 5, 6], DraftSpec((1,), max_nodes=max_nodes), None)
-    assert proposal.tree.size == expected

@@ -35,7 +35,7 @@ PROMPTS = [
     Prompt("text", "The cat sat on the mat. The dog sat on the log. The bird sat on the"),
     Prompt("list", "items = [1, 2, 3, 4, 5, 6, 7, 8]\ntotal = 0\nfor item in items:\n    total +="),
 ]
-BENCH_METHODS = "incremental,sequence:3,tree,tree:3-1,ensemble,tree[ngram],hf-assisted"
+BENCH_METHODS = "incremental,sequence:3,tree,tree:3-1,ensemble,tree[suffix],hf-assisted"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -85,12 +85,12 @@ def models_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def bench_config(models_dir: Path) -> Path:
-    """Engine config: first SSM = the target's first layer (accepts some), then the copy, then n-gram."""
+    """Engine config: first SSM = the target's first layer (accepts some), then the copy, then the suffix proposer."""
     config = {"models_dir": str(models_dir), "dtype": "float32", "torch_threads": 1,
               "target": {"name": "tiny-target", "source": "tiny-target"},
               "ssms": [{"name": "layer1", "source": "tiny-target", "num_layers": 1},
                        {"name": "copy", "source": "tiny-ssm"}],
-              "ngram": {"name": "ngram", "max_tokens": 4},
+              "suffix": {"name": "suffix", "max_spec_tokens": 4},
               "speculation": {"expansion": [2, 2, 1], "sequence_depth": 3, "max_tree_nodes": 16}}
     path = models_dir / "bench.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
@@ -135,7 +135,7 @@ def bench_cli(config: Path, dataset: Path, out: Path, *extra: str) -> int:
 
 
 def test_method_spellings():
-    proposers = Proposers(("a", "b", "ngram"), (True, True, False))
+    proposers = Proposers(("a", "b", "suffix"), (True, True, False))
     base = SpeculationOptions(expansion=(2, 2, 1, 1), sequence_depth=4, children="top_k")
     assert parse_method("incremental", proposers, base).options.mode == "incremental"
     sequence = parse_method("sequence:6", proposers, base).options
@@ -144,15 +144,15 @@ def test_method_spellings():
     assert (tree.mode, tree.expansion, tree.proposers) == ("tree", (2, 2, 1, 1), ("a",))
     ensemble = parse_method("ensemble:3-1", proposers, base).options
     assert (ensemble.expansion, ensemble.proposers) == ((3, 1), None)
-    subset = parse_method("tree[b,ngram]:2-1+sampled_without_replacement", proposers, base).options
-    assert (subset.proposers, subset.expansion, subset.children) == (("b", "ngram"), (2, 1),
+    subset = parse_method("tree[b,suffix]:2-1+sampled_without_replacement", proposers, base).options
+    assert (subset.proposers, subset.expansion, subset.children) == (("b", "suffix"), (2, 1),
                                                                      "sampled_without_replacement")
     assert parse_method("hf-assisted", proposers, base).assistant == "a"
     for bad in ("tree:0-1", "tree+greedy", "tree[zzz]", "beam", "sequence:x"):
         with pytest.raises(ValueError):
             parse_method(bad, proposers, base)
     with pytest.raises(ValueError, match="neural"):
-        parse_method("tree", Proposers(("ngram",), (False,)), base)
+        parse_method("tree", Proposers(("suffix",), (False,)), base)
 
 
 def test_divergence_and_accepted_lengths():
@@ -228,7 +228,7 @@ def test_bench_end_to_end_fp32_exact_and_resumable(bench_config, prompts_file, t
     assert results["summary"]["incremental"]["tokens_per_step"] == 1.0
     assert results["summary"]["hf-assisted"]["tokens_per_step"] is not None
     ensemble = results["summary"]["ensemble"]
-    assert set(ensemble["accepted_per_proposer"]) <= {"layer1", "copy", "ngram"}
+    assert set(ensemble["accepted_per_proposer"]) <= {"layer1", "copy", "suffix"}
     assert ensemble["accepted_per_proposer"]["copy"] > 0  # the exact copy is always right
     assert sum(ensemble["accepted_length_histogram"]) == sum(r["target_steps"] - 1 for r in results["per_prompt"]
                                                              if r["method"] == "ensemble")
@@ -414,7 +414,7 @@ def test_experiment_on_tiny_models(models_dir, prompts_file, tmp_path, monkeypat
     assert all(r["outputs_match_incremental"] == 1.0 for r in rows)
     copy_chain = next(r for r in rows if r["method"] == "tree[copy]:1-1-1")
     assert copy_chain["tokens_per_step"] > 2.0 and copy_chain["proposer_share"] == {"copy": 1.0}
-    mixed = next(r for r in rows if r["method"] == "tree[copy,target-1layer,ngram]:2-1")
+    mixed = next(r for r in rows if r["method"] == "tree[copy,target-1layer,suffix]:2-1")
     assert mixed["proposer_share"]["copy"] == 1.0
     markdown = (out / "experiment.md").read_text()
     assert "| prompts |" in markdown and "share copy-int8" in markdown
@@ -429,7 +429,7 @@ def test_ensemble_experiment_config_validates():
     config = engine_config(experiment, path)
     assert config.target.name == "qwen2.5-coder-1.5b-instruct" and config.dtype == "bfloat16"
     assert {m.quantize for m in config.ssms} == {"none", "int8"} and any(m.num_layers == 12 for m in config.ssms)
-    assert experiment.methods()[0] == "incremental" and "tree[ngram]:2-2-1-1" in experiment.methods()
+    assert experiment.methods()[0] == "incremental" and "tree[suffix]:2-2-1-1" in experiment.methods()
     with pytest.raises(ValueError, match="subset"):
         type(experiment).model_validate({**experiment.model_dump(), "subsets": [["nope"]]})
 
@@ -479,3 +479,16 @@ def test_gpu_verify_curve_runs_on_cpu_tiny(tmp_path):
 def test_gpu_verify_curve_llama_8b_shape(tmp_path):
     result = _gpu_verify_curve().main(["--out", str(tmp_path / "curve.json")])
     assert set(result["verify_ms"]) == {1, 4, 16, 32, 64, 128} and result["wall_s"] < 300
+
+
+@pytest.mark.parametrize("records,expected", [
+    ([{"draft_tokens": 100, "target_steps": 11, "draft_ms": 200.0, "verify_ms": 1000.0},
+      {"draft_tokens": 200, "target_steps": 21, "draft_ms": 400.0, "verify_ms": 2000.0}],
+     {"nodes_per_step": 10.0, "draft_ms_per_step": 20.0, "verify_ms_per_step": 100.0}),
+    ([{"draft_tokens": None, "target_steps": None, "draft_ms": None, "verify_ms": None}],  # hf-assisted
+     {"nodes_per_step": None, "draft_ms_per_step": None, "verify_ms_per_step": None}),
+])
+def test_step_profile(records, expected):
+    from bench.summary import step_profile
+
+    assert step_profile(records) == expected

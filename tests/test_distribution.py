@@ -28,7 +28,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.draft import DraftSpec, ModelDrafter, NgramDrafter, Proposal, TreeBuilder
+from actors.suffix import SuffixDrafter
+from engine.draft import DraftSpec, ModelDrafter, Proposal, TreeBuilder
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.generate import SpeculativeEngine
 from engine.merge import merge
@@ -36,6 +37,7 @@ from engine.sampling import SamplingParams, make_generator, warp
 from engine.target import TargetModel
 from engine.tree import children
 from engine.verify import Verdict, verify_stochastic
+from settings.config import SuffixConfig
 from tests.lookup_models import (LookupDrafter, LookupLM, chi_square, node_contexts, prefix_distribution,
                                  tiny_llama, tiny_tokenizer)
 
@@ -44,7 +46,7 @@ SAMPLES = 20_000  # per lookup-level case
 E2E_SAMPLES = 2_000  # per end-to-end case
 VOCAB = 12
 PROMPT = (3, 5)  # the lookup models see the last two tokens
-NGRAM_PROMPT = (3, 5, 9, 3, 5)  # the n-gram proposer finds [3, 5] -> 9, 3, 5
+SUFFIX_PROMPT = (3, 5, 9, 3, 5)  # the suffix proposer finds [3, 5] -> 9, 3
 
 TARGET = LookupLM(VOCAB, seed=1, scale=1.5)
 SSM_A = LookupLM(VOCAB, seed=2, base=TARGET, mix=0.6, temperature=1.5)  # correlated with p, flatter
@@ -129,7 +131,7 @@ class Walk:
     ssms: tuple[tuple[LookupLM, str, tuple[int, ...]], ...]  # (model, children rule, expansion schedule)
     sampling: SamplingParams = T1
     length: int = 3  # output prefix whose distribution is tested
-    ngram: bool = False
+    suffix: bool = False  # the suffix proposer too, its global store on (bounded)
     verifier: str = "mss"
     prompt: tuple[int, ...] = PROMPT
     min_confidence: float = 0.0  # > 0: dynamic tree, only confident nodes are expanded
@@ -143,8 +145,9 @@ def sample_walks(case: Walk, samples: int, seed: int) -> tuple[list[tuple[int, .
          make_generator(seed, i + 1))
         for i, (lm, rule, schedule) in enumerate(case.ssms)
     ]
-    if case.ngram:
-        drafters.append((NgramDrafter(len(drafters), max_tokens=3), DraftSpec((1,), "top_k", case.sampling), None))
+    if case.suffix:
+        suffix = SuffixDrafter(len(drafters), SuffixConfig(max_cached_requests=16, min_token_prob=0.0))
+        drafters.append((suffix, DraftSpec((1,), "top_k", case.sampling, max_nodes=6), None))
     p_table, q_table = TARGET.probs(case.sampling), case.ssms[0][0].probs(case.sampling)
     generator, stats = make_generator(seed, 0), Counter()
     return [walk(case, drafters, p_table, q_table, generator, stats) for _ in range(samples)], stats
@@ -157,8 +160,9 @@ def walk(case: Walk, drafters, p_table, q_table, generator, stats: Counter) -> t
     proposal skips merge (it would only renumber the nodes; the merged cases test merge), which
     keeps 20,000 samples per case affordable."""
     committed, out = list(case.prompt), []
+    states = [d.new_state() for d, _, _ in drafters]  # one request: the suffix proposer follows it
     while len(out) < case.length:
-        proposals = [d.draft(d.new_state(), committed, spec, g) for d, spec, g in drafters]
+        proposals = [d.draft(state, committed, spec, g) for (d, spec, g), state in zip(drafters, states)]
         proposal = merge(proposals) if len(proposals) > 1 else proposals[0]
         prev, last = node_contexts(proposal.tree, committed)
         verdict = VERIFIERS[case.verifier](proposal, p_table[prev, last], q_table[prev, last], generator)
@@ -166,6 +170,8 @@ def walk(case: Walk, drafters, p_table, q_table, generator, stats: Counter) -> t
         stats[len(verdict.path) - 1, verdict.bonus] += 1
         committed += new
         out += new
+    for (d, _, _), state in zip(drafters, states):
+        d.release(state)
     return tuple(out[: case.length])
 
 
@@ -196,8 +202,8 @@ WALKS = [
     Walk("top_k children (2,2) (NS rule), top_p 0.9", ((SSM_A, "top_k", (2, 2)),),
          SamplingParams(temperature=1.0, top_p=0.9)),
     MERGED_DUPLICATES,
-    Walk("merged sampled + top_k + ngram", ((SSM_B, "sampled", (2, 1)), (SSM_C, "top_k", (2, 1))), length=2,
-         ngram=True, prompt=NGRAM_PROMPT),
+    Walk("merged sampled + top_k + suffix", ((SSM_B, "sampled", (2, 1)), (SSM_C, "top_k", (2, 1))), length=2,
+         suffix=True, prompt=SUFFIX_PROMPT),
     Walk("dynamic tree (3,2), min_confidence 0.15", ((SSM_A, "sampled", (3, 2)),), length=2, min_confidence=0.15),
     Walk("sequence mode: chain (1,1,1)", ((SSM_A, "sampled", (1, 1, 1)),)),
     Walk("naive sampling verifier", ((SSM_A, "sampled", (2, 1)),), length=2, verifier="ns"),
@@ -580,7 +586,7 @@ def test_cli_generate_sampling_flags(tmp_path, capsys, monkeypatch):
     config = tmp_path / "tiny.yaml"
     config.write_text(
         f"models_dir: {models}\ndtype: float32\ntarget: {{name: tiny-target, source: tiny-target}}\n"
-        "ssms:\n  - {name: tiny-ssm, source: tiny-ssm}\nngram: null\n"
+        "ssms:\n  - {name: tiny-ssm, source: tiny-ssm}\nsuffix: null\n"
         "speculation: {mode: tree, expansion: [2, 2], max_tree_nodes: 16}\ndefaults: {max_new_tokens: 8}\n"
     )
     capsys.readouterr()  # save_pretrained may import DeepSpeed (through accelerate), which logs to stdout

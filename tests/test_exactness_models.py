@@ -17,7 +17,7 @@ def smol_engine(models_dir, ssm_layers: int | None):
         "models_dir": str(models_dir), "dtype": "float32", "torch_threads": 2,
         "target": {"name": "smollm2", "source": "smollm2-135m-instruct"},
         "ssms": [{"name": "ssm", "source": "smollm2-135m-instruct", "num_layers": ssm_layers}],
-        "ngram": {"name": "ngram"},
+        "suffix": {"name": "suffix"},
     })
     return build_engine(config)
 
@@ -38,7 +38,8 @@ def smol_truncated(smollm2_dir):
 def test_smollm2_with_itself_accepts_all(smol_self, mode, expansion, proposers):
     engine = smol_self
     prompt = engine.tokenizer.encode(SMOL_PROMPT)
-    options = SpeculationOptions(mode=mode, expansion=expansion, sequence_depth=4, proposers=proposers)
+    options = SpeculationOptions(mode=mode, expansion=expansion, sequence_depth=4, proposers=proposers,
+                                 policy="schedule")
     result = engine.generate(GenerationRequest(tuple(prompt), 48, speculation=options))
     expected = reference_greedy(engine.target.model, prompt, 48, eos=None)
     assert list(result.token_ids) == expected[: len(result.token_ids)]
@@ -49,11 +50,24 @@ def test_smollm2_with_itself_accepts_all(smol_self, mode, expansion, proposers):
         assert result.stats.accepted_per_proposer.get("ssm", 0) >= (result.stats.target_steps - 3) * depth
 
 
+def test_smollm2_cost_aware_with_itself(smol_self):
+    """The engine built from a config measured its verify-cost curve; cost-aware shapes with the
+    target as its own SSM: the target's greedy output, and the calibration learns to draft deep."""
+    engine = smol_self
+    assert engine.cost is not None and engine.cost.verify_ms[0][0] == 1
+    prompt = engine.tokenizer.encode(SMOL_PROMPT)
+    options = SpeculationOptions(proposers=("ssm",))
+    result = engine.generate(GenerationRequest(tuple(prompt), 48, speculation=options))
+    assert list(result.token_ids) == reference_greedy(engine.target.model, prompt, 48, eos=None)[: len(result.token_ids)]
+    assert result.stats.tokens_per_step > 2.0 and max(result.stats.tree_sizes) > 2
+
+
 @pytest.mark.parametrize("mode,expansion", [("sequence", (1,)), ("tree", (2, 2, 1))])
 def test_smollm2_with_truncated_copy_rejects_most(smol_truncated, mode, expansion):
     engine = smol_truncated
     prompt = engine.tokenizer.encode(SMOL_PROMPT)
-    options = SpeculationOptions(mode=mode, expansion=expansion, sequence_depth=4, proposers=("ssm",))
+    options = SpeculationOptions(mode=mode, expansion=expansion, sequence_depth=4, proposers=("ssm",),
+                                 policy="schedule")
     result = engine.generate(GenerationRequest(tuple(prompt), 48, speculation=options))
     assert list(result.token_ids) == reference_greedy(engine.target.model, prompt, 48)[: len(result.token_ids)]
     assert result.stats.accepted_per_proposer.get("ssm", 0) < result.stats.draft_tokens / 4
@@ -65,7 +79,7 @@ def test_default_qwen_pair_fp32(qwen_models_dir):
         "models_dir": str(qwen_models_dir), "dtype": "float32", "torch_threads": 2,
         "target": {"name": "qwen1.5b", "source": "qwen2.5-coder-1.5b-instruct"},
         "ssms": [{"name": "qwen0.5b", "source": "qwen2.5-coder-0.5b-instruct"}],
-        "ngram": {"name": "ngram"},
+        "suffix": {"name": "suffix"},
     })
     engine = build_engine(config)
     prompt = engine.tokenizer.encode("def quicksort(arr):\n    " + "# sort the list in place, recursively\n    " * 3)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.draft import ModelDrafter, NgramDrafter
+from actors.suffix import SuffixDrafter
+from engine.draft import ModelDrafter
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.generate import SpeculativeEngine
 from engine.target import TargetModel
+from settings.config import SuffixConfig
 from tests.tiny_models import IdTokenizer, reference_greedy, tiny_model
 
 PROMPTS = {
@@ -21,17 +23,17 @@ CASES = [
     ("llama", 97, "short", "incremental", (1,), ("ssm",)),
     ("llama", 97, "repetitive", "sequence", (1,), ("ssm",)),
     ("llama", 97, "long", "tree", (3, 2, 1, 1), ("ssm",)),
-    ("llama", 97, "repetitive", "tree", (2, 2, 2), ("ssm", "ngram")),
-    ("llama", 300, "long", "tree", (4, 1, 1), ("ssm", "ngram")),
+    ("llama", 97, "repetitive", "tree", (2, 2, 2), ("ssm", "suffix")),
+    ("llama", 300, "long", "tree", (4, 1, 1), ("ssm", "suffix")),
     ("qwen2", 64, "short", "tree", (2, 1, 1, 1, 1), ("ssm",)),
     ("qwen2", 64, "repetitive", "sequence", (1,), ("ssm",)),
-    ("qwen2", 151, "long", "tree", (3, 3), ("ssm", "ngram")),
-    ("qwen2", 151, "repetitive", "tree", (1,), ("ngram",)),
+    ("qwen2", 151, "long", "tree", (3, 3), ("ssm", "suffix")),
+    ("qwen2", 151, "repetitive", "tree", (1,), ("suffix",)),
 ]
 
 
 def make_engine(target, ssm, eos=None) -> SpeculativeEngine:
-    drafters = [ModelDrafter(ssm, 0, "ssm"), NgramDrafter(1, "ngram", max_tokens=5)]
+    drafters = [ModelDrafter(ssm, 0, "ssm"), SuffixDrafter(1, SuffixConfig(max_spec_tokens=5))]
     return SpeculativeEngine(TargetModel(target), drafters, IdTokenizer(), eos_ids=set() if eos is None else {eos})
 
 
@@ -94,3 +96,21 @@ def test_max_new_tokens_cuts_accepted_chain():
         result = engine.generate(GenerationRequest((3, 17, 5), limit, speculation=SpeculationOptions(expansion=(1,) * 8)))
         assert list(result.token_ids) == reference_greedy(target, [3, 17, 5], limit)
         assert result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_the_suffix_proposer_s_global_store_keeps_greedy_output(adaptive):
+    """A repeated request: adaptive, the suffix proposer proposes the first answer from the global
+    store (fewer target steps); not adaptive, the second run is the first one again. Output is the
+    target's own greedy output either way."""
+    target = tiny_model("llama", 97, layers=2, seed=1)
+    engine = SpeculativeEngine(TargetModel(target), [SuffixDrafter(0)], IdTokenizer(), set())
+    options = SpeculationOptions(expansion=(1,), proposers=("suffix",), adaptive=adaptive)
+    first, second = (engine.generate(GenerationRequest((3, 17, 5), 40, speculation=options)) for _ in range(2))
+    assert list(first.token_ids) == list(second.token_ids) == reference_greedy(target, [3, 17, 5], 40)
+    if adaptive:
+        assert second.stats.target_steps < first.stats.target_steps / 2
+        assert second.stats.accepted_per_proposer["suffix"] == second.stats.accepted_tokens > 20
+    else:
+        assert (second.stats.target_steps, second.stats.draft_tokens) == (first.stats.target_steps,
+                                                                          first.stats.draft_tokens)

@@ -39,7 +39,7 @@ FIELD_PATH = re.compile(r"^[a-z_]+(\[\d+\])?(\.[a-z_]+(\[\d+\])?)*$")
 CALL_TIMEOUT_S = 60.0
 
 EDGE_TEXT = ["", " ", "\x00", "\n\n\n", "hello", "x" * 600, "\u202e\u200b\ufeff", "\U0001f642" * 30, "e\u0301",
-             "\uffff", "\U0010ffff", "<|user|>", "{{ raise_exception('x') }}", "{% for %}", "ngram", "ssm-a",
+             "\uffff", "\U0010ffff", "<|user|>", "{{ raise_exception('x') }}", "{% for %}", "suffix", "ssm-a",
              "ssm-b", "nope", "user", "system", "assistant"]
 INVALID_UTF8 = [b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xc0\xaf", b"a\x80b", b"\xe2\x82"]
 
@@ -259,9 +259,10 @@ SPECULATION = st.fixed_dictionaries({}, optional={
     "mode": st.one_of(st.sampled_from(["tree", "sequence", "incremental", "beam"]), JSON_VALUES),
     "children": st.one_of(st.sampled_from(["top_k", "sampled", "sampled_without_replacement"]), JSON_VALUES),
     "expansion": st.one_of(st.lists(st.integers(-3, 70), max_size=4), JSON_VALUES),
-    "ssms": st.one_of(st.lists(st.sampled_from(["ssm-a", "ssm-b", "ngram", "nope", "\ud800"]), max_size=3),
+    "ssms": st.one_of(st.lists(st.sampled_from(["ssm-a", "ssm-b", "suffix", "nope", "\ud800"]), max_size=3),
                       JSON_VALUES),
-    "sequence_depth": st.one_of(st.integers(-1, 40), JSON_VALUES), "bogus": JSON_VALUES})
+    "sequence_depth": st.one_of(st.integers(-1, 40), JSON_VALUES), "adaptive": st.one_of(st.booleans(), JSON_VALUES),
+    "bogus": JSON_VALUES})
 COMMON = {
     "model": st.one_of(st.just(MODEL), JSON_VALUES), "temperature": st.one_of(st.floats(0, 2), JSON_VALUES),
     "top_p": st.one_of(st.floats(0, 1), JSON_VALUES), "top_k": st.one_of(st.integers(-1, 100), JSON_VALUES),
@@ -319,7 +320,7 @@ VALID_COMPLETION = st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size
     "top_k": st.integers(0, 50), "seed": st.integers(0, 2**31), "stop": st.lists(st.text(max_size=5), max_size=4),
     "stream": st.booleans(), "return_token_ids": st.booleans(),
     "speculation": st.fixed_dictionaries({}, optional={
-        "mode": st.sampled_from(["tree", "sequence", "incremental"]), "ssms": st.sampled_from([["ssm-a"], ["ngram"]]),
+        "mode": st.sampled_from(["tree", "sequence", "incremental"]), "ssms": st.sampled_from([["ssm-a"], ["suffix"]]),
         "expansion": st.lists(st.integers(1, 3), min_size=1, max_size=3)})})
 
 

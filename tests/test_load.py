@@ -39,6 +39,9 @@ def load_app(serving, tiny_args):  # noqa: F811
 
     args = load_args(tiny_args, STREAMS)
     args["server"] = {**args["server"], "batching": {**args["server"]["batching"], "kv_cache_tokens": 12288}}
+    # Cost-aware shapes served (the verifier measures the verify-cost curve at start): the trees follow
+    # timings, the tokens must not (each stream equals the in-process engine's fixed-shape output).
+    args["speculation"] = {**args["speculation"], "policy": "cost"}
     serve.run(app_builder(args), name=LOAD_APP, route_prefix="/load", blocking=False)
     with Client(serving, LOAD_APP) as client:
         client.wait_ready(300)

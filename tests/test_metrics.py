@@ -60,7 +60,11 @@ class FakeMetric:
         assert value > 0 and set(tags or {}) == set(self.spec.tags)
         self.calls.append((value, tags or {}))
 
-    observe = set = inc
+    def observe(self, value, tags=None):
+        assert value >= 0 and set(tags or {}) == set(self.spec.tags)  # a histogram takes 0 too
+        self.calls.append((value, tags or {}))
+
+    set = observe
 
     def total(self, **tags):
         return sum(v for v, t in self.calls if all(t.get(k) == x for k, x in tags.items()))
@@ -74,7 +78,8 @@ def test_record_counts_a_request_from_its_stats():
     from engine.requests import GenerationStats, StepUpdate
 
     stats = GenerationStats(mode="tree", target_steps=5, new_tokens=12, draft_tokens=30,
-                            accepted_per_proposer={"ssm-a": 5, "ngram": 2}, accepted_per_depth=[4, 3, 0])
+                            accepted_per_proposer={"ssm-a": 5, "suffix": 2}, accepted_per_depth=[4, 3, 0],
+                            tree_sizes=[12, 0, 10, 8])
     now = [10.0]
     observation = RequestObservation("grpc", clock=lambda: now[0])
     metrics = fake_metrics()
@@ -92,10 +97,11 @@ def test_record_counts_a_request_from_its_stats():
     assert m["specinfer:spec_decode_num_accepted_tokens_per_pos"].calls == [(4, {"position": "0"}),
                                                                             (3, {"position": "1"})]
     assert m["specinfer:spec_decode_num_accepted_tokens_per_ssm"].total(ssm="ssm-a") == 5
-    assert m["specinfer:spec_decode_num_accepted_tokens_per_ssm"].total(ssm="ngram") == 2
+    assert m["specinfer:spec_decode_num_accepted_tokens_per_ssm"].total(ssm="suffix") == 2
     assert m["specinfer:target_steps"].total() == 5 and m["specinfer:prompt_tokens"].total() == 9
     assert m["specinfer:generation_tokens"].total() == 12
     assert m["specinfer:tokens_per_step"].calls == [(2.4, {})]
+    assert m["specinfer:spec_decode_tree_nodes"].calls == [(12, {}), (0, {}), (10, {}), (8, {})]
     assert m["specinfer:e2e_request_latency_seconds"].calls == [(2.0, {})]
     assert m["specinfer:time_to_first_token_seconds"].calls == [(0.5, {})]
     assert m["specinfer:output_tokens_per_second"].calls == [(6.0, {})]

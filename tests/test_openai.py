@@ -30,7 +30,7 @@ def test_completion_fields_map_to_the_grpc_request():
     call = completion_call({"model": MODEL, "prompt": ["hello"], "max_tokens": 7, "temperature": 0.5, "top_p": 0.9,
                             "seed": 3, "stop": "\n", "top_k": 40, "n": 1, "logprobs": None, "presence_penalty": 0,
                             "speculation": {"mode": "sequence", "sequence_depth": 3, "ssms": ["ssm-a"],
-                                            "children": "sampled", "expansion": [2, 1]},
+                                            "children": "sampled", "expansion": [2, 1], "adaptive": False},
                             "stream": True, "stream_options": {"include_usage": True}, "user": "ignored"}, MODEL)
     r = call.request
     assert (r.prompt, r.max_new_tokens, r.temperature, r.top_p, r.seed, list(r.stop), r.top_k) == \
@@ -38,6 +38,7 @@ def test_completion_fields_map_to_the_grpc_request():
     assert r.speculation.mode == pb.SPECULATION_MODE_SEQUENCE and r.speculation.sequence_depth == 3
     assert list(r.speculation.ssms) == ["ssm-a"] and list(r.speculation.expansion) == [2, 1]
     assert r.speculation.children == pb.CHILDREN_RULE_SAMPLED
+    assert r.speculation.HasField("adaptive") and not r.speculation.adaptive
     assert call.stream and call.include_usage and not call.chat and not call.return_token_ids
     unset = completion_call({"prompt": "x"}, MODEL).request  # unset: the server's defaults apply
     assert not any(unset.HasField(f) for f in ("max_new_tokens", "temperature", "top_p", "top_k", "seed",
@@ -69,6 +70,8 @@ UNSUPPORTED = [
     ("completions", {"seed": 2**70}, "seed"), ("completions", {"speculation": {"depth": 2}}, "speculation"),
     ("completions", {"speculation": {"mode": "beam"}}, "speculation.mode"),
     ("completions", {"speculation": {"expansion": [2, "x"]}}, "speculation.expansion"),
+    ("completions", {"speculation": {"adaptive": "no"}}, "speculation.adaptive"),
+    ("completions", {"speculation": {"adaptive": 0}}, "speculation.adaptive"),
     ("chat", {"n": 2}, "n"), ("chat", {"logprobs": True}, "logprobs"), ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
@@ -87,6 +90,26 @@ def test_unsupported_and_bad_parameters_are_400(api, fields, param):
     error = caught.value.body()["error"]
     assert caught.value.status == 400 and error["type"] == "invalid_request_error"
     assert error["param"] == param and error["message"].startswith(f"{param}: ") and error["code"]
+
+
+ADAPTIVE = [  # (the HTTP speculation extra, SpeculationOptions.adaptive the server uses)
+    ({}, True),  # unset: the server's default
+    ({"adaptive": None}, True),
+    ({"adaptive": True}, True),
+    ({"adaptive": False}, False),
+    ({"mode": "tree", "adaptive": False}, False),
+]
+
+
+@pytest.mark.parametrize("extra,adaptive", ADAPTIVE)
+def test_adaptive_reaches_the_speculation_options(extra, adaptive):
+    from cluster.serve_requests import ModelLimits, speculation_options
+    from engine.requests import SpeculationOptions
+
+    request = completion_call({"prompt": "hi", "speculation": extra}, MODEL).request
+    limits = ModelLimits(("ssm-a", "suffix"), (True, False), None)
+    assert speculation_options(request, SpeculationOptions(), limits).adaptive is adaptive
+    assert build_request("hi", adaptive=False).speculation.adaptive is False  # the gRPC client's spelling
 
 
 def test_unknown_model_is_404_and_field_names_are_openai_names():

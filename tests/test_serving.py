@@ -205,7 +205,7 @@ def test_chat_messages_and_stop_string(serving, local_engine, tiny_args):
 @pytest.mark.parametrize("speculation", [
     {"mode": "incremental"},
     {"mode": "sequence", "sequence_depth": 3},
-    {"mode": "tree", "expansion": (3, 1), "proposers": ("ssm-a", "ngram")},
+    {"mode": "tree", "expansion": (3, 1), "proposers": ("ssm-a", "suffix")},
 ])
 def test_speculation_options_match_engine(serving, local_engine, tiny_args, speculation):
     prompt = PROMPTS[1]
@@ -265,7 +265,7 @@ BAD_REQUESTS = {
     "unknown SSM": ({"prompt": "hi", "ssms": ["nope"]}, "speculation.ssms"),
     "zero width": ({"prompt": "hi", "expansion": [2, 0]}, "speculation.expansion"),
     "schedule too deep": ({"prompt": "hi", "expansion": [1] * 33}, "speculation.expansion"),
-    "sequence without SSM": ({"prompt": "hi", "mode": "sequence", "ssms": ["ngram"]}, "speculation"),
+    "sequence without SSM": ({"prompt": "hi", "mode": "sequence", "ssms": ["suffix"]}, "speculation"),
 }
 
 

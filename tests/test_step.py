@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from actors.common import NeedsResync, sync_history
 from actors.merge import MergeActor
-from engine.draft import CHILDREN_RULES, ModelDrafter, NgramDrafter
+from actors.suffix import SuffixDrafter, tree_proposal
+from engine.draft import CHILDREN_RULES, ModelDrafter
 from engine.merge import merge
 from engine.requests import SpeculationOptions
 from engine.sampling import SamplingParams, make_generator
@@ -17,28 +18,28 @@ from engine.step import (Assignment, Drafted, draft_with, merge_drafts, plan_pro
                          tree_reservation)
 from engine.tree import TokenTree, schedule_nodes
 from engine.verify import Verdict
-from settings.config import NgramConfig
+from settings.config import SuffixConfig
 from tests.tiny_models import tiny_model
 
 VOCAB = 61
-PROMPT = [5, 6, 7, 5, 6, 7, 5, 6, 8, 5, 6, 7, 5, 6]  # repeats: the n-gram proposer finds continuations
+PROMPT = [5, 6, 7, 5, 6, 7, 5, 6, 8, 5, 6, 7, 5, 6]  # repeats: the suffix proposer finds continuations
 
 
 @pytest.fixture(scope="module")
 def drafters():
     torch.set_num_threads(2)
     ssms = [ModelDrafter(tiny_model("llama", VOCAB, layers=1, seed=s), s, f"ssm{s}") for s in (0, 1)]
-    return ssms + [NgramDrafter(2, "ngram", max_ngram=2, max_tokens=6, max_matches=3)]
+    return ssms + [SuffixDrafter(2, SuffixConfig(max_spec_tokens=24, min_token_prob=0.0, max_spec_offset=4.0))]
 
 
-NAMES, NEURAL = ("ssm0", "ssm1", "ngram"), (True, True, False)
+NAMES, NEURAL = ("ssm0", "ssm1", "suffix"), (True, True, False)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schedule=st.lists(st.integers(1, 3), min_size=1, max_size=4), max_nodes=st.integers(1, 40),
        mode=st.sampled_from(("tree", "sequence", "incremental")), children=st.sampled_from(CHILDREN_RULES),
        temperature=st.sampled_from((0.0, 0.9)), confidence=st.sampled_from((0.0, 0.05)),
-       proposers=st.sampled_from((None, ("ssm0",), ("ssm1", "ngram"))))
+       proposers=st.sampled_from((None, ("ssm0",), ("ssm1", "suffix"))))
 def test_admission_never_under_reserves(drafters, schedule, max_nodes, mode, children, temperature, confidence,
                                         proposers):
     """Whatever the schedule, rule and proposers, the merged tree fits what admission reserves."""
@@ -46,8 +47,10 @@ def test_admission_never_under_reserves(drafters, schedule, max_nodes, mode, chi
                                  proposers=proposers, max_tree_nodes=max_nodes, min_confidence=confidence)
     sampling = SamplingParams(temperature=temperature, seed=3)
     plan = plan_proposers(NAMES, NEURAL, options, sampling)
-    drafts = [draft_with(drafters[a.proposer], drafters[a.proposer].new_state(), PROMPT, a.spec, a.generator())
-              for a in plan]
+    states = [drafters[a.proposer].new_state() for a in plan]
+    drafts = [draft_with(drafters[a.proposer], state, PROMPT, a.spec, a.generator()) for a, state in zip(plan, states)]
+    for a, state in zip(plan, states):
+        drafters[a.proposer].release(state)
     for assignment, drafted in zip(plan, drafts):
         assert drafted.proposal.tree.size <= max_nodes  # each proposer's tree, root included
         assert drafted.proposal.tree.size <= schedule_nodes(assignment.spec.schedule) or not NEURAL[assignment.proposer]
@@ -55,10 +58,10 @@ def test_admission_never_under_reserves(drafters, schedule, max_nodes, mode, chi
 
 
 RESERVATIONS = [  # (mode, expansion, max_tree_nodes, proposers, tokens admission reserves for the tree)
-    ("tree", (2, 2, 1, 1), 64, None, 1 + 14 + 14 + 63),  # two SSMs' full 15-node trees, the n-gram's budget
+    ("tree", (2, 2, 1, 1), 64, None, 1 + 14 + 14 + 63),  # two SSMs' full 15-node trees, the suffix's budget
     ("tree", (2, 2, 1, 1), 10, None, 1 + 6 + 6 + 9),  # fitted to (2, 2): 7 nodes each
     ("sequence", (2,), 64, None, 5),  # one chain of depth 4
-    ("tree", (3,), 64, ("ngram",), 64),
+    ("tree", (3,), 64, ("suffix",), 64),
     ("incremental", (2,), 64, None, 1),  # the root alone
 ]
 
@@ -71,8 +74,8 @@ def test_tree_reservation_is_what_the_plan_can_draw(mode, expansion, max_nodes, 
 
 PLANS = [  # (mode, proposers, expected (proposer, schedule) pairs in proposer order)
     ("tree", None, [(0, (2, 2, 1)), (1, (2, 2, 1)), (2, (2, 2, 1))]),
-    ("tree", ("ngram", "ssm0"), [(0, (2, 2, 1)), (2, (2, 2, 1))]),
-    ("sequence", ("ngram", "ssm1"), [(1, (1, 1, 1))]),
+    ("tree", ("suffix", "ssm0"), [(0, (2, 2, 1)), (2, (2, 2, 1))]),
+    ("sequence", ("suffix", "ssm1"), [(1, (1, 1, 1))]),
     ("incremental", None, []),
 ]
 
@@ -133,24 +136,31 @@ def test_sync_history(history, start, new, expected):
 
 
 def test_merge_actor_keeps_plan_order_and_asks_for_a_resync():
-    """The n-gram proposal takes its place in proposer order, not 'last'; deltas extend history."""
+    """The suffix proposal takes its place in proposer order, not 'last'; deltas extend history."""
     from engine.draft import DraftSpec
 
-    actor = MergeActor(NgramConfig(max_ngram=2, max_tokens=3), ngram_index=0, torch_threads=1, request_ttl_s=60)
-    ssm = NgramDrafter(1, "other", max_ngram=1, max_tokens=2)  # stands in for an SSM's draft (proposer 1)
+    actor = MergeActor(SuffixConfig(max_spec_tokens=3), suffix_index=0, torch_threads=1, request_ttl_s=60)
     spec = DraftSpec((1,), max_nodes=8)
     plan = (Assignment(0, spec), Assignment(1, spec))
+
+    def ssm(history: list[int]):  # stands in for an SSM's draft (proposer 1)
+        return tree_proposal(history[-1], 1, [9, 8], [-1, 0], 8)
+
     with pytest.raises(NeedsResync):
-        actor.merge("r", 5, [1], plan, Drafted(ssm.draft(None, PROMPT, spec, None)))
-    ngram = NgramDrafter(0, max_ngram=2, max_tokens=3)
-
-    def in_plan_order(history: list[int]):  # the n-gram (proposer 0) first, then proposer 1
-        return merge([ngram.draft(None, history, spec, None), ssm.draft(None, history, spec, None)])
-
+        actor.merge("r", 5, [1], plan, Drafted(ssm(PROMPT)))
+    suffix, state = SuffixDrafter(0, SuffixConfig(max_spec_tokens=3)), None
     for history, start in ((PROMPT[:-2], 0), (PROMPT, len(PROMPT) - 2)):  # a full history, then a delta
-        merged = actor.merge("r", start, history[start:], plan, Drafted(ssm.draft(None, history, spec, None)))
-        expected = in_plan_order(history)
+        merged = actor.merge("r", start, history[start:], plan, Drafted(ssm(history)))
+        state = state or suffix.new_state()
+        expected = merge([suffix.draft(state, history, spec), ssm(history)])  # the suffix (proposer 0) first
+        assert expected.tree.size > 3  # both proposed
         assert torch.equal(merged.proposal.tree.tokens, expected.tree.tokens)
         assert torch.equal(merged.proposal.tree.parents, expected.tree.parents)
-        assert torch.equal(merged.proposal.draws.proposer, expected.draws.proposer)  # the n-gram's draws first
+        assert torch.equal(merged.proposal.draws.proposer, expected.draws.proposer)  # the suffix's draws first
     assert actor.release("r") and actor.merge("r", 0, PROMPT, plan, None) is None
+
+
+def test_the_plan_carries_adaptive_to_every_proposer():
+    options = SpeculationOptions("tree", (2, 1), adaptive=False)
+    assert [a.spec.adaptive for a in plan_proposers(NAMES, NEURAL, options)] == [False, False, False]
+    assert all(a.spec.adaptive for a in plan_proposers(NAMES, NEURAL, SpeculationOptions("tree", (2, 1))))

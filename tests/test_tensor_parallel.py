@@ -77,7 +77,7 @@ def test_tree_logits_match_single_process(engines, tokens, parents):
 CASES = [  # (prompt, max_new_tokens, speculation)
     (list(range(40, 60)), 40, SpeculationOptions(expansion=(2, 2, 1))),
     (list(range(100, 104)), 33, SpeculationOptions(mode="sequence", sequence_depth=3)),
-    ([7, 7, 7, 9, 7, 7, 7], 25, SpeculationOptions(expansion=(3, 1, 1, 1), proposers=("ngram",))),
+    ([7, 7, 7, 9, 7, 7, 7], 25, SpeculationOptions(expansion=(3, 1, 1, 1), proposers=("suffix",))),
     (list(range(70, 120)), 17, SpeculationOptions(mode="incremental")),
 ]
 
@@ -161,7 +161,7 @@ def batched_engines(ray_session, tiny_args):
     from engine.generate import SpeculativeEngine
     from settings.config import EngineConfig
 
-    base = build_engine(EngineConfig.model_validate(tiny_args))  # its drafters: 2 SSMs and n-gram
+    base = build_engine(EngineConfig.model_validate(tiny_args))  # its drafters: 2 SSMs and the suffix proposer
     engines = []
     for args in (tiny_args, tp_args(tiny_args, batching=True)):
         target, _ = build_target(EngineConfig.model_validate(args), expected=lambda: 0)
@@ -179,7 +179,7 @@ def run_concurrently(engine, requests: list[GenerationRequest]) -> list[list[int
 BATCHES = [  # concurrent requests: (prompt, max_new_tokens, speculation)
     [(list(range(40, 60)), 30, SpeculationOptions(expansion=(2, 2, 1))),
      (list(range(100, 104)), 21, SpeculationOptions(mode="sequence", sequence_depth=3)),
-     ([7, 7, 7, 9, 7, 7, 7], 25, SpeculationOptions(expansion=(3, 1, 1, 1), proposers=("ngram",)))],
+     ([7, 7, 7, 9, 7, 7, 7], 25, SpeculationOptions(expansion=(3, 1, 1, 1), proposers=("suffix",)))],
     [(list(range(70, 120)), 17, SpeculationOptions(mode="incremental")),
      (list(range(10, 14)), 26, SpeculationOptions(expansion=(2, 1, 1), min_confidence=0.1))],
 ]

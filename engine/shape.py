@@ -1,0 +1,159 @@
+"""Cost-aware tree shapes (after EAGLE-2): grow the tree by path probability, keep the size that pays.
+
+An SSM drafts level by level, expanding the ``beam`` most probable nodes of each level (over the
+whole level, not per parent) with their ``branch`` most likely children. Each node's *path
+probability* is the product of the SSM's probabilities along its path. After drafting, the nodes
+are ranked by path probability and the tree keeps the ``n`` best, where ``n`` maximises expected
+tokens per millisecond of the step:
+
+    rate(n) = (1 + sum of acceptance(p_i), i < n) / (draft_ms + verify_ms(n + 1))
+
+``acceptance(p)`` is calibrated from the request's own history (how often a node of path
+probability about ``p`` was accepted; the prior is ``p`` itself), ``verify_ms`` is the target's
+measured verify-cost curve. Drafting stops when one more level is not expected to raise the best
+rate. Ranking by path probability keeps every kept node's parent (a child's path probability never
+exceeds its parent's), so the kept nodes form a tree. Only deterministic (top-k) children are
+ranked this way: the verifier treats them as point masses, so the shape may follow the SSM's
+outputs without biasing sampled output.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Sequence
+
+# Path-probability bins of the calibration (upper edges).
+BIN_EDGES = (0.01, 0.03, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0)
+PRIOR = 2.0  # prior weight, in units of summed path probability, of "acceptance = path probability"
+# Each step the history fades by this factor, so the prior returns: a request whose trees stopped
+# paying (no nodes proposed, nothing learnt) tries again after a few steps instead of never.
+DECAY = 0.9
+
+
+@dataclass(frozen=True)
+class TreeCost:
+    """What a cost-aware shape needs: the target's verify cost and the growth limits.
+
+    verify_ms: (tokens in one verify pass, ms) measured on the target, sizes ascending, 1 first.
+    """
+
+    verify_ms: tuple[tuple[int, float], ...]
+    beam: int = 4
+    branch: int = 4
+    max_depth: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.verify_ms or self.verify_ms[0][0] != 1:
+            raise ValueError("the verify-cost curve needs the one-token pass first")
+        if min(self.beam, self.branch, self.max_depth) < 1:
+            raise ValueError("beam, branch and max_depth must be >= 1")
+
+    def verify(self, size: int) -> float:
+        """ms of a pass over ``size`` tokens: linear between measured sizes, beyond the last by the
+        last segment's slope. Example: ((1, 100), (4, 130)) -> verify(2) 110, verify(7) 160."""
+        sizes = [s for s, _ in self.verify_ms]
+        if len(sizes) == 1:
+            return self.verify_ms[0][1]
+        i = min(max(bisect.bisect_left(sizes, size), 1), len(sizes) - 1)
+        (s0, m0), (s1, m1) = self.verify_ms[i - 1], self.verify_ms[i]
+        return m0 + (m1 - m0) * (size - s0) / (s1 - s0)
+
+
+@dataclass
+class Calibration:
+    """Per request: how often nodes of a given path probability were accepted, as a ratio to their
+    summed path probability (per bin, shrunk towards the ratio over all bins, which is shrunk
+    towards 1): ``acceptance(p) = min(1, p * ratio)``. A bin without history takes the overall
+    ratio, so an SSM that is under- or over-confident everywhere is corrected in every bin."""
+
+    mass: list[float] = field(default_factory=lambda: [0.0] * len(BIN_EDGES))  # summed path probability
+    accepted: list[float] = field(default_factory=lambda: [0.0] * len(BIN_EDGES))
+
+    @staticmethod
+    def bin(p: float) -> int:
+        return min(bisect.bisect_left(BIN_EDGES, p), len(BIN_EDGES) - 1)
+
+    def acceptance(self, p: float) -> float:
+        """Estimated chance a node of path probability ``p`` is accepted. With no history: ``p``.
+
+        Example: 10 nodes of p 0.5 seen, 2 accepted: overall ratio (2 + 2) / (5 + 2) = 0.571, the
+        bin's (2 + 2 * 0.571) / (5 + 2) = 0.449: acceptance(0.5) = 0.224, acceptance(0.05) = 0.029.
+        """
+        overall = (sum(self.accepted) + PRIOR) / (sum(self.mass) + PRIOR)
+        b = self.bin(p)
+        return min(1.0, p * (self.accepted[b] + PRIOR * overall) / (self.mass[b] + PRIOR))
+
+    def record(self, p: float, was_accepted: bool) -> None:
+        b = self.bin(p)
+        self.mass[b] += p
+        self.accepted[b] += float(was_accepted)
+
+    def fade(self, factor: float = DECAY) -> None:
+        """Weigh the history so far by ``factor`` (one step older)."""
+        self.mass = [m * factor for m in self.mass]
+        self.accepted = [a * factor for a in self.accepted]
+
+
+def best_size(probs: Sequence[float], calibration: Calibration, draft_ms: float, cost: TreeCost,
+              limit: int) -> tuple[int, float]:
+    """(n, rate): how many of the nodes (path probabilities, best first) to keep, at most ``limit``,
+    and the expected tokens per ms with them (the root's one token counts even with n = 0).
+
+    Example: probs [0.9, 0.5, 0.1], no history, draft 20 ms, verify 100 ms + 10 ms per extra token
+    -> rates 1/120, 1.9/130, 2.4/140, 2.5/150: n = 2.
+    """
+    expected, best = 1.0, (0, 1.0 / (draft_ms + cost.verify(1)))
+    for n, p in enumerate(probs[:limit], start=1):
+        expected += calibration.acceptance(p)
+        rate = expected / (draft_ms + cost.verify(n + 1))
+        if rate > best[1]:
+            best = (n, rate)
+    return best
+
+
+def another_level_pays(probs: Sequence[float], frontier: Sequence[float], ratio: float, calibration: Calibration,
+                       draft_ms: float, level_ms: float, cost: TreeCost, limit: int) -> bool:
+    """Whether drafting one more level is expected to raise the best rate.
+
+    ``frontier``: path probabilities of the nodes the level would expand; each is expected to gain
+    a best child of path probability ``p * ratio`` (``ratio``: the mean top child probability of the
+    last level), for one more SSM forward of ``level_ms``.
+    """
+    now = best_size(probs, calibration, draft_ms, cost, limit)[1]
+    grown = sorted(list(probs) + [p * ratio for p in frontier], reverse=True)
+    return best_size(grown, calibration, draft_ms + level_ms, cost, limit)[1] > now
+
+
+@dataclass
+class ShapeHistory:
+    """One request's shape inputs: its calibration and the last tree it proposed.
+
+    ``last``: (committed length when drafted, tokens [root first], parents, path probabilities).
+    """
+
+    calibration: Calibration = field(default_factory=Calibration)
+    last: tuple[int, list[int], list[int], list[float]] | None = None
+
+    def observe(self, committed: Sequence[int]) -> None:
+        """One step: fade the history, then score the last proposal against what was committed
+        since: the nodes along the committed tokens were accepted, every other node was not.
+
+        Example: last tree r->a->b, r->c drafted at length 5; committed[5:] = [a, d]: a accepted,
+        b and c not.
+        """
+        self.calibration.fade()
+        if self.last is None:
+            return
+        length, tokens, parents, probs = self.last
+        self.last = None
+        if len(committed) <= length:
+            return
+        accepted, node = set(), 0
+        for token in committed[length:]:
+            node = next((i for i in range(1, len(tokens)) if parents[i] == node and tokens[i] == token), -1)
+            if node < 0:
+                break
+            accepted.add(node)
+        for i in range(1, len(tokens)):
+            self.calibration.record(probs[i], i in accepted)

@@ -1,0 +1,256 @@
+"""Cost-aware tree shapes (engine.shape): the cost model's pure functions, the drafter's trees,
+greedy exactness (fp32, plain and paged), and the sampled output's distribution, with a negative
+control (re-ranking *sampled* children, which the policy never does, is caught)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.draft import DraftSpec, ModelDrafter, Proposal, TreeBuilder
+from engine.generate import SpeculativeEngine
+from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
+from engine.requests import GenerationRequest, SpeculationOptions
+from engine.sampling import SamplingParams, make_generator
+from engine.shape import PRIOR, Calibration, ShapeHistory, TreeCost, another_level_pays, best_size
+from engine.step import plan_proposers
+from engine.target import TargetModel
+from tests.lookup_models import LookupDrafter, LookupLM, chi_square, prefix_distribution
+from tests.test_distribution import PROMPT, SAMPLES, SSM_A, T1, TARGET, THRESHOLD, Walk, report, summary, walk
+from tests.tiny_models import IdTokenizer, reference_greedy, tiny_model
+
+FLAT = TreeCost(((1, 10.0), (64, 10.0)))  # verifying more tokens is free: big trees pay
+STEEP = TreeCost(((1, 10.0), (2, 20.0)))  # every token doubles the pass: no tree pays
+
+# -- The pure functions. ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("curve,size,ms", [
+    (((1, 100.0), (4, 130.0)), 1, 100.0),
+    (((1, 100.0), (4, 130.0)), 2, 110.0),
+    (((1, 100.0), (4, 130.0)), 7, 160.0),  # beyond the last size: the last slope
+    (((1, 100.0),), 50, 100.0),
+    (((1, 5.0), (2, 6.0), (4, 10.0)), 3, 8.0),
+])
+def test_verify_cost_interpolates(curve, size, ms):
+    assert TreeCost(curve).verify(size) == pytest.approx(ms)
+
+
+@pytest.mark.parametrize("curve", [(), ((2, 1.0),)])
+def test_cost_needs_the_one_token_pass(curve):
+    with pytest.raises(ValueError, match="one-token"):
+        TreeCost(curve)
+
+
+@pytest.mark.parametrize("probs,draft_ms,cost,limit,expected", [
+    ([0.9, 0.5, 0.1], 20.0, TreeCost(((1, 100.0), (2, 110.0))), 10, 2),  # the docstring's example
+    ([0.9, 0.5, 0.1], 20.0, TreeCost(((1, 100.0), (2, 110.0))), 1, 1),  # the limit
+    ([0.9, 0.5, 0.1], 20.0, FLAT, 10, 3),  # free verification: keep everything
+    ([0.9, 0.5, 0.1], 0.0, STEEP, 10, 0),  # nothing pays: plain decoding
+    ([0.9, 0.5, 0.1], 20.0, STEEP, 10, 2),  # ... unless drafting was paid for already (a sunk cost)
+    ([], 20.0, FLAT, 10, 0),
+])
+def test_best_size(probs, draft_ms, cost, limit, expected):
+    assert best_size(probs, Calibration(), draft_ms, cost, limit)[0] == expected
+
+
+def test_calibration_learns_from_history():
+    calibration = Calibration()
+    assert calibration.acceptance(0.4) == pytest.approx(0.4)  # the prior: confidence is acceptance
+    for i in range(10):
+        calibration.record(0.5, i < 2)
+    overall = (2 + PRIOR) / (5 + PRIOR)
+    assert calibration.acceptance(0.5) == pytest.approx(0.5 * (2 + PRIOR * overall) / (5 + PRIOR))
+    assert calibration.acceptance(0.05) == pytest.approx(0.05 * overall)  # an empty bin: the overall ratio
+    for _ in range(50):
+        calibration.record(0.05, True)  # an under-confident SSM: accepted at p 0.05 every time
+    assert calibration.acceptance(0.05) > 0.5  # learned: 0.03 before
+
+
+def test_a_request_whose_trees_stopped_paying_tries_again():
+    """All nodes rejected: acceptance falls; with nothing proposed after, the history fades and the
+    prior comes back (the request drafts again instead of never)."""
+    history = ShapeHistory()
+    history.last = (5, [5, 10, 11, 12], [-1, 0, 1, 0], [1.0, 0.9, 0.8, 0.05])
+    history.observe([1, 2, 3, 4, 5, 42])
+    low = history.calibration.acceptance(0.9)
+    for _ in range(30):
+        history.observe([1, 2, 3, 4, 5, 42])  # steps without a proposal
+    assert low < 0.6 and history.calibration.acceptance(0.9) > 0.85
+
+
+@pytest.mark.parametrize("level_ms,cost,expected", [
+    (1.0, FLAT, True),  # a cheap level, free verification
+    (500.0, FLAT, False),  # a level costs more than it can bring
+    (1.0, STEEP, False),  # verification too dear for any tree
+])
+def test_another_level_pays(level_ms, cost, expected):
+    assert another_level_pays([0.8, 0.1], [0.8], 0.9, Calibration(), 5.0, level_ms, cost, 64) is expected
+
+
+@pytest.mark.parametrize("committed,accepted", [
+    ([1, 2, 3, 4, 5, 10, 11, 99], {1, 2}),  # r->10->11 accepted, then the target's own token
+    ([1, 2, 3, 4, 5, 12, 7], {3}),
+    ([1, 2, 3, 4, 5, 42], set()),
+    ([1, 2, 3, 4, 5], set()),  # nothing committed since: nothing scored
+])
+def test_history_scores_the_last_tree(committed, accepted):
+    history = ShapeHistory()
+    # drafted at length 5: root r (5) -> 10 -> 11, r -> 12; path probabilities 0.8, 0.6, 0.1
+    history.last = (5, [5, 10, 11, 12], [-1, 0, 1, 0], [1.0, 0.8, 0.6, 0.1])
+    history.observe(committed)
+    seen = sum(history.calibration.mass)
+    assert seen == (0.0 if len(committed) == 5 else pytest.approx(1.5))
+    assert sum(history.calibration.accepted) == len(accepted)
+    assert history.last is None
+
+
+# -- The drafter's trees. --------------------------------------------------------------------
+
+
+def is_tree_by_rank(proposal: Proposal, max_nodes: int) -> bool:
+    parents = proposal.tree.parents.tolist()
+    return proposal.tree.size <= max_nodes and all(0 <= p < i for i, p in enumerate(parents) if i)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 5), st.integers(1, 6), st.integers(2, 40),
+       st.floats(0.0, 50.0), st.integers(0, 10_000))
+def test_cost_aware_trees_are_trees_within_budget(beam, branch, depth, max_nodes, slope, seed):
+    cost = TreeCost(((1, 10.0), (2, 10.0 + slope)), beam, branch, depth)
+    drafter = LookupDrafter(SSM_A, 0, "ssm")
+    spec = DraftSpec((1,), "top_k", SamplingParams(), max_nodes=max_nodes, cost=cost)
+    committed = [3, 5, seed % 12, (seed // 12) % 12]
+    proposal = drafter.draft(drafter.new_state(), committed, spec, make_generator(seed, 1))
+    assert is_tree_by_rank(proposal, max_nodes)
+    assert bool(proposal.draws.deterministic.all()) and proposal.draws.q is None
+    assert proposal.tree.size - 1 <= beam * branch * (depth - 1) + branch
+
+
+def mean_tree(cost: TreeCost, adaptive: bool = True, children: str = "top_k") -> float:
+    drafter, sizes = LookupDrafter(SSM_A, 0, "ssm"), []
+    spec = DraftSpec((2, 1), children, T1, max_nodes=64, cost=cost, adaptive=adaptive)
+    for seed in range(40):
+        state = drafter.new_state()
+        sizes.append(drafter.draft(state, [3, 5, seed % 12], spec, make_generator(seed, 1)).tree.size)
+        drafter.release(state)
+    return sum(sizes) / len(sizes)
+
+
+def test_the_curve_sets_the_size():
+    assert mean_tree(FLAT) > 8 and mean_tree(STEEP) == 1.0
+
+
+@pytest.mark.parametrize("override", [{"adaptive": False}, {"children": "sampled"}])
+def test_schedule_applies_without_adaptivity_or_to_sampled_children(override):
+    """A non-adaptive request or drawn children: the schedule's tree (2, 1): 1 + 2 + 2 nodes (fewer
+    when two draws name one token)."""
+    assert 4.0 < mean_tree(FLAT, **override) <= 5.0
+
+
+def test_plan_carries_the_cost_to_models_only():
+    names, neural = ("ssm", "suffix"), (True, False)
+    plan = plan_proposers(names, neural, SpeculationOptions(max_tree_nodes=20), cost=FLAT)
+    assert [a.spec.cost for a in plan] == [FLAT, None]
+    assert [a.spec.max_nodes for a in plan] == [20, 20]
+    by_schedule = plan_proposers(names, neural, SpeculationOptions(policy="schedule"), cost=FLAT)
+    assert by_schedule[0].spec.cost is None
+
+
+def test_release_forgets_the_history():
+    drafter = LookupDrafter(SSM_A, 0, "ssm")
+    state = drafter.new_state()
+    drafter.draft(state, [3, 5], DraftSpec((1,), cost=FLAT), make_generator(0, 1))
+    assert drafter.shape_history(state).last is not None
+    drafter.release(state)
+    assert drafter._shapes == {}
+
+
+# -- Greedy exactness, fp32. -----------------------------------------------------------------
+
+LONG = tuple((7 * i + 3) % 61 + 1 for i in range(90))
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(2)
+    return tiny_model("llama", 97, layers=2, seed=1), tiny_model("llama", 97, layers=1, seed=2)
+
+
+@pytest.mark.parametrize("cost", [FLAT, STEEP, TreeCost(((1, 10.0), (64, 20.0)), 2, 3, 5)])
+@pytest.mark.parametrize("self_draft", [False, True])
+def test_greedy_cost_aware_equals_generate(models, cost, self_draft):
+    target, ssm = models
+    engine = SpeculativeEngine(TargetModel(target), [ModelDrafter(target if self_draft else ssm, 0, "ssm")],
+                               IdTokenizer(), set(), cost=cost)
+    result = engine.generate(GenerationRequest(LONG, 40))
+    assert list(result.token_ids) == reference_greedy(target, list(LONG), 40)
+    assert len(result.stats.tree_sizes) == result.stats.target_steps - 1
+    assert engine.drafters[0]._shapes == {}  # released with the request
+
+
+def test_greedy_cost_aware_paged_equals_generate(models):
+    target, ssm = models
+    target_pool, target_batcher = paged_parts(target, 4096)
+    ssm_pool, ssm_batcher = paged_parts(ssm, 4096)
+    engine = SpeculativeEngine(PagedTarget(target, target_pool, target_batcher),
+                               [PagedDrafter(ssm, 0, "ssm", ssm_pool, ssm_batcher)], IdTokenizer(), set(), 1024,
+                               cost=FLAT)
+    result = engine.generate(GenerationRequest(LONG, 40))
+    assert list(result.token_ids) == reference_greedy(target, list(LONG), 40)
+    assert max(result.stats.tree_sizes) > 4
+    assert ssm_pool.counts()[0] == ssm_pool.counts()[2]  # every block back
+
+
+# -- Sampled output: the target's distribution; the negative control. ------------------------
+
+
+class ReleasingLookup(LookupDrafter):
+    """A lookup drafter whose states are dropped after each draft (the walk makes one per step)."""
+
+    def draft(self, state, committed, spec, generator) -> Proposal:
+        try:
+            return super().draft(state, committed, spec, generator)
+        finally:
+            self.release(state)
+
+
+class RerankedSampled(ReleasingLookup):
+    """NEGATIVE CONTROL: draws three *sampled* children at the root, then keeps only the most
+    probable draw (re-ranking drawn children, which the cost-aware policy never does)."""
+
+    def draft(self, state, committed, spec, generator) -> Proposal:
+        drawn = super().draft(state, committed, DraftSpec((3,), "sampled", spec.sampling), generator)
+        q = drawn.draws.q[0]  # [V]: every root draw came from the same q
+        best = max(drawn.tree.tokens[1:].tolist(), key=lambda token: float(q[token]))
+        builder = TreeBuilder(root=committed[-1], proposer=self.proposer)
+        builder.add(0, best, q)
+        return builder.build()
+
+
+def sample(drafter, spec: DraftSpec, samples: int = SAMPLES, length: int = 3):
+    case = Walk("cost-aware", ((SSM_A, spec.children, spec.schedule),), spec.sampling, length=length)
+    p_table, q_table = TARGET.probs(spec.sampling), SSM_A.probs(spec.sampling)
+    generator, stats = make_generator(7, 0), Counter()
+    drafters = [(drafter, spec, make_generator(7, 1))]
+    walks = [walk(case, drafters, p_table, q_table, generator, stats) for _ in range(samples)]
+    return chi_square(walks, prefix_distribution(TARGET.probs(spec.sampling), PROMPT, length)), summary(stats)
+
+
+@pytest.mark.parametrize("sampling", [T1, SamplingParams(temperature=0.7, top_k=5, top_p=0.9)])
+def test_cost_aware_sampled_output_is_target_distributed(sampling):
+    spec = DraftSpec((1,), "top_k", sampling, max_nodes=32, cost=TreeCost(((1, 10.0), (64, 14.0)), 2, 3, 3))
+    result, stats = sample(ReleasingLookup(SSM_A, 0, "ssm"), spec)
+    report("cost-aware top-k tree", result)
+    assert result.pvalue > THRESHOLD
+    assert stats["deep accepted"] > 0.02 * stats["steps"]  # speculation happened, below the root too
+
+
+def test_reranking_sampled_children_is_rejected():
+    result, _ = sample(RerankedSampled(SSM_A, 0, "ssm"), DraftSpec((3,), "sampled", T1), length=2)
+    report("NEGATIVE CONTROL re-ranked sampled children", result)
+    assert result.pvalue < THRESHOLD
