@@ -177,7 +177,9 @@ class SpecInferIngress:
         capacity = self.info.kv_capacity_tokens
         if capacity is None:
             return Admission()
-        tree = tree_reservation(plan_proposers(self.group.names, self.group.neural, request.speculation))
+        # with the step's cost model: cost-aware trees may use max_tree_nodes, more than a schedule's tree
+        tree = tree_reservation(plan_proposers(self.group.names, self.group.neural, request.speculation,
+                                               cost=self.cost))
         need = len(request.prompt_ids) + request.max_new_tokens + tree
         if need > capacity:
             raise PoolExhausted(f"the request needs {need} tokens of KV cache (prompt + max_new_tokens + tree) but "

@@ -80,9 +80,12 @@ class Calibration:
         Example: 10 nodes of p 0.5 seen, 2 accepted: overall ratio (2 + 2) / (5 + 2) = 0.571, the
         bin's (2 + 2 * 0.571) / (5 + 2) = 0.449: acceptance(0.5) = 0.224, acceptance(0.05) = 0.029.
         """
+        return min(1.0, p * self.ratios()[self.bin(p)])
+
+    def ratios(self) -> list[float]:
+        """Each bin's accepted-to-path-probability ratio (``acceptance(p) = min(1, p * ratio)``)."""
         overall = (sum(self.accepted) + PRIOR) / (sum(self.mass) + PRIOR)
-        b = self.bin(p)
-        return min(1.0, p * (self.accepted[b] + PRIOR * overall) / (self.mass[b] + PRIOR))
+        return [(a + PRIOR * overall) / (m + PRIOR) for a, m in zip(self.accepted, self.mass)]
 
     def record(self, p: float, was_accepted: bool) -> None:
         b = self.bin(p)
@@ -103,9 +106,9 @@ def best_size(probs: Sequence[float], calibration: Calibration, draft_ms: float,
     Example: probs [0.9, 0.5, 0.1], no history, draft 20 ms, verify 100 ms + 10 ms per extra token
     -> rates 1/120, 1.9/130, 2.4/140, 2.5/150: n = 2.
     """
-    expected, best = 1.0, (0, 1.0 / (draft_ms + cost.verify(1)))
+    expected, best, ratios = 1.0, (0, 1.0 / (draft_ms + cost.verify(1))), calibration.ratios()
     for n, p in enumerate(probs[:limit], start=1):
-        expected += calibration.acceptance(p)
+        expected += min(1.0, p * ratios[Calibration.bin(p)])
         rate = expected / (draft_ms + cost.verify(n + 1))
         if rate > best[1]:
             best = (n, rate)

