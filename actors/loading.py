@@ -10,6 +10,7 @@ in-process engine. Example::
 from __future__ import annotations
 
 from engine.models import LoadedModel, ModelSpec, load_model, quantize_int8, truncate_layers
+from engine.offload import OffloadSpec, load_offloaded
 from settings.config import EngineConfig, ModelConfig
 
 
@@ -27,7 +28,9 @@ def model_spec(config: EngineConfig, model: ModelConfig) -> ModelSpec:
 
 
 def load_configured(config: EngineConfig, model: ModelConfig) -> LoadedModel:
-    """Load one model and apply its layer truncation / quantization."""
+    """Load one model and apply its layer truncation / quantization, or stream it (``offload``)."""
+    if model.offload is not None:
+        return load_offloaded(model_spec(config, model), OffloadSpec(**model.offload.model_dump()))
     loaded = load_model(model_spec(config, model))
     if model.num_layers:
         truncate_layers(loaded.model, model.num_layers)

@@ -105,7 +105,8 @@ def hf_assisted_row(engine, method: Method, prompt: EncodedPrompt, max_new_token
 
 def grpc_request(method: Method, prompt: EncodedPrompt, max_new_tokens: int, sampling: SamplingParams):
     """The GenerateRequest for one method and prompt (raw prompts as ``prompt``, chat prompts as one
-    user message, so the server applies the same chat template)."""
+    user message, so the server applies the same chat template). A cost-aware method sends no
+    expansion: the server follows any expansion a request gives as a fixed schedule."""
     from cluster.serve_client import build_request
 
     if method.kind != "engine":
@@ -114,7 +115,8 @@ def grpc_request(method: Method, prompt: EncodedPrompt, max_new_tokens: int, sam
     return build_request(
         prompt=None if prompt.prompt.chat else text, messages=[("user", text)] if prompt.prompt.chat else (),
         max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-        top_k=sampling.top_k, seed=sampling.seed, mode=o.mode, expansion=o.expansion, ssms=o.proposers or (),
+        top_k=sampling.top_k, seed=sampling.seed, mode=o.mode, ssms=o.proposers or (),
+        expansion=o.expansion if o.policy == "schedule" else (),  # a request's expansion means "follow it"
         children=o.children, sequence_depth=o.sequence_depth)
 
 

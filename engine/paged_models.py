@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -102,6 +103,14 @@ def paged_parts(model, tokens: int, block_size: int = 16, window_s: float = 0.0,
 def time_packed_forward(model: PackedModel, total_tokens: int, prefix: int = 256, repeats: int = 3) -> float:
     """Median ms of one packed forward of ``total_tokens`` chain tokens on a ``prefix`` cache
     (a forward that failed for its item raises: it did not run, so it cannot be timed)."""
+    with packed_timer(model, prefix, repeats) as time_pass:
+        return time_pass(total_tokens)
+
+
+@contextmanager
+def packed_timer(model: PackedModel, prefix: int = 256, repeats: int = 3):
+    """``time_pass(total_tokens)`` -> median ms of ``repeats`` packed forwards of a chain on one
+    ``prefix``-token sequence, prefilled once (a curve of many sizes pays one prefill)."""
 
     def forward(item) -> None:
         (result,) = model.forward([item])
@@ -109,15 +118,19 @@ def time_packed_forward(model: PackedModel, total_tokens: int, prefix: int = 256
             raise result
 
     sequence = PagedSequence(model.pool)
-    try:
-        forward(chain_item(sequence, list(range(prefix))))
-        sequence.keep(list(range(prefix)))
+
+    def time_pass(total_tokens: int) -> float:
         times = []
         for _ in range(repeats + 1):
             began = time.perf_counter()
             forward(chain_item(sequence, list(range(total_tokens)), last_only=False))
             times.append((time.perf_counter() - began) * 1e3)
             sequence.truncate(prefix)
+        return statistics.median(times[1:])
+
+    try:
+        forward(chain_item(sequence, list(range(prefix))))
+        sequence.keep(list(range(prefix)))
+        yield time_pass
     finally:
         sequence.release()
-    return statistics.median(times[1:])

@@ -22,6 +22,22 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class OffloadConfig(Strict):
+    """A target larger than memory (engine.offload): its decoder layers are streamed in for every
+    forward pass. ``embed_tokens``, ``lm_head`` and the final norm always stay resident (467 MB each
+    for embeddings and lm_head on the default bf16 target), plus the first ``resident_layers``."""
+
+    tier: Literal["disk", "host"] = Field(
+        default="disk", description="disk: read the safetensors file every pass (past the page cache); "
+                                    "host: keep the layers in host memory (pinned) and copy them to the GPU")
+    resident_layers: int = Field(default=0, ge=0, description="decoder layers kept resident, from the first")
+    prefetch_layers: int = Field(default=2, ge=1, le=64,
+                                 description="layers read ahead of the one computing (slots: this + 1 layers)")
+    direct_io: bool = Field(default=True, description="disk tier: O_DIRECT reads; false: plain reads whose pages "
+                                                      "are dropped after (file systems without O_DIRECT)")
+    read_threads: int = Field(default=2, ge=1, le=16, description="disk tier: concurrent reads per layer")
+
+
 class ModelConfig(Strict):
     """A target or SSM. ``source``: a hub id, a directory, a .gguf file, or a name in models_dir."""
 
@@ -33,6 +49,7 @@ class ModelConfig(Strict):
     dtype: Dtype | None = None  # None: the config's dtype
     num_layers: int | None = Field(default=None, ge=1, description="keep only the first N layers")
     quantize: Literal["none", "int8"] = "none"
+    offload: OffloadConfig | None = Field(default=None, description="target only: stream the weights per pass")
 
 
 class SuffixConfig(Strict):
@@ -190,7 +207,22 @@ class EngineConfig(Strict):
         if len(set(names)) != len(names):
             raise ValueError(f"SSM names must be unique, got {names}")
         self._threads_fit_requests()
+        self._offload_fits()
         return self
+
+    def _offload_fits(self) -> None:
+        """Only the target streams its weights, on one rank, unquantized, from safetensors."""
+        for ssm in self.ssms:
+            if ssm.offload is not None:
+                raise ValueError(f"ssms[{ssm.name}].offload: SSMs stay resident; only target.offload may be set")
+        if self.target.offload is None:
+            return
+        if self.verifier.tensor_parallel_size > 1:
+            raise ValueError("target.offload with verifier.tensor_parallel_size > 1: offloading with tensor "
+                             "parallelism is not supported; use one rank")
+        if self.target.quantize != "none" or self.target.num_layers or self.target.gguf_file:
+            raise ValueError("target.offload streams the safetensors weights as stored: it cannot be combined with "
+                             "target.quantize, target.num_layers or target.gguf_file")
 
     def proposer_names(self) -> list[str]:
         """Every proposer in engine order: the SSMs, then the suffix proposer."""

@@ -155,6 +155,24 @@ def test_method_spellings():
         parse_method("tree", Proposers(("suffix",), (False,)), base)
 
 
+@pytest.mark.parametrize("policy,spelling,expansion", [
+    ("cost", "tree", []),              # cost-aware: the server shapes the tree; an expansion would fix it
+    ("cost", "tree:3-1", [3, 1]),      # a schedule given is sent, and followed
+    ("schedule", "tree", [2, 2, 1, 1]),
+])
+def test_grpc_requests_leave_cost_aware_shapes_to_the_server(policy, spelling, expansion):
+    from bench.runners import grpc_request
+    from bench.workloads import EncodedPrompt
+    from protos import specinfer_pb2 as pb
+
+    proposers = Proposers(("a", "suffix"), (True, False))
+    base = SpeculationOptions(expansion=(2, 2, 1, 1), policy=policy)
+    request = grpc_request(parse_method(spelling, proposers, base), EncodedPrompt(Prompt("p", "hi"), (1, 2)), 8,
+                           SamplingParams())
+    assert list(request.speculation.expansion) == expansion
+    assert request.speculation.mode == pb.SPECULATION_MODE_TREE
+
+
 def test_divergence_and_accepted_lengths():
     assert first_divergence([1, 2, 3], [1, 2, 4]) == 2
     assert first_divergence([1, 2], [1, 2, 3]) == 2
