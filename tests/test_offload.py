@@ -270,3 +270,21 @@ def test_offload_preset_is_a_valid_serve_config():
     config = load_config(root / "configs" / "offload.yaml")
     assert config.target.offload is not None and config.target.offload.tier == "disk"
     assert config.cost_aware_shapes and config.speculation.cost.max_depth >= 12
+
+
+def test_gpu_offload_script_runs_on_a_tiny_shape(tmp_path):
+    """bench/gpu_offload.py (meant for a GPU) runs end to end on CPU with the tiny shape: streamed
+    curve, three methods, every token generated, copies counted (bf16: outputs may round apart)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "o.json"
+    subprocess.run([sys.executable, str(root / "bench" / "gpu_offload.py"), "--shape", "tiny", "--device", "cpu",
+                    "--tokens", "16", "--work", str(tmp_path / "work"), "--out", str(out)], check=True, timeout=600,
+                   capture_output=True)
+    result = json.loads(out.read_text())
+    assert [r["method"] for r in result["rows"]] == ["incremental", "sequence:4", "tree"]
+    assert [len(r["token_ids"]) for r in result["rows"]] == [16, 16, 16]
+    assert set(result["curves_ms"]["streamed"]) == {"1", "2", "4", "8", "16", "32", "64", "128"}
+    assert all(r["mb_copied_per_token"] > 0 for r in result["rows"])
