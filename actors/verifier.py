@@ -67,7 +67,7 @@ class VerifierActor(HoldsRequests):
         Called by the ingress once every actor has loaded, so that loading does not skew it.
         """
         budget, config = self.config.server.tree_budget, self.config
-        by_budget = self.paged and budget.enabled
+        by_budget = config.tree_budget_applies
         if not (by_budget or config.cost_aware_shapes):
             return None
         # Cost-aware shapes read the whole curve; the budget alone needs it up to its slack limit.

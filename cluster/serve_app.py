@@ -75,7 +75,7 @@ class SpecInferIngress:
         self.info = info = await check_ready(self.group)
         self.tokenizer, self.eos_ids = info.tokenizer, info.eos_ids
         budget, curve = config.server.tree_budget, await self.group.verifier.measure_verify_cost.remote()
-        by_budget = curve and config.server.batching.enabled and budget.enabled
+        by_budget = curve and config.tree_budget_applies
         self.budget = budget_from_curve(curve, budget.slack, budget.min_tree_nodes,
                                         budget.disable_above_running) if by_budget else None
         self.cost = tree_cost(config, curve)
@@ -179,7 +179,7 @@ class SpecInferIngress:
             return Admission()
         # with the step's cost model: cost-aware trees may use max_tree_nodes, more than a schedule's tree
         tree = tree_reservation(plan_proposers(self.group.names, self.group.neural, request.speculation,
-                                               cost=self.cost))
+                                               request.sampling, self.cost))
         need = len(request.prompt_ids) + request.max_new_tokens + tree
         if need > capacity:
             raise PoolExhausted(f"the request needs {need} tokens of KV cache (prompt + max_new_tokens + tree) but "

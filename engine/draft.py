@@ -149,21 +149,21 @@ class ModelDrafter:
         self.proposer = proposer
         self.name = name
         self.level_ms = 0.0  # a level forward's cost (moving average), for cost-aware shapes
-        self._shapes: dict[int, tuple[object, ShapeHistory]] = {}  # id(state) -> (state, its shape history)
+        self._shapes: dict[object, ShapeHistory] = {}  # state (hashed by identity) -> its shape history
 
     def new_state(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
 
     def release(self, state: DynamicCache) -> None:
         """Forget the request's shape history; a DynamicCache is freed with its state."""
-        self._shapes.pop(id(state), None)
+        self._shapes.pop(state, None)
 
     def shape_history(self, state) -> ShapeHistory:
         """The request's calibration and last proposal (made on first use, dropped by ``release``)."""
-        entry = self._shapes.get(id(state))
-        if entry is None or entry[0] is not state:
-            entry = self._shapes[id(state)] = (state, ShapeHistory())
-        return entry[1]
+        history = self._shapes.get(state)
+        if history is None:
+            history = self._shapes[state] = ShapeHistory()
+        return history
 
     @torch.inference_mode()
     def draft(

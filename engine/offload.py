@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from .models import DTYPES, LoadedModel, ModelSpec, check_architecture, pretrained_args, resolve_device
 
@@ -162,7 +162,7 @@ class DiskReader:
 
     def __init__(self, paths: set[str], direct: bool, threads: int):
         flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-        self.direct = direct
+        self.direct, self.pool = direct, None
         self.fds: dict[str, int] = {}
         for path in sorted(paths):
             try:
@@ -179,8 +179,8 @@ class DiskReader:
         """Fill ``buffer`` at each run's ``into`` with the run's file span."""
         chunks = [Run(r.path, r.start + at, min(self.CHUNK, r.length - at), r.into + at)
                   for r in runs for at in range(0, r.length, self.CHUNK)]
-        done = self.pool.map(lambda c: self._read(c, buffer), chunks) if self.pool else map(lambda c: self._read(c, buffer), chunks)
-        self.bytes_read += sum(done)
+        mapper = self.pool.map if self.pool else map
+        self.bytes_read += sum(mapper(lambda chunk: self._read(chunk, buffer), chunks))
 
     def _read(self, chunk: Run, buffer: mmap.mmap) -> int:
         fd = self.fds[chunk.path]
@@ -197,7 +197,7 @@ class DiskReader:
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}
-        if getattr(self, "pool", None):
+        if self.pool:
             self.pool.shutdown(wait=False)
 
 
@@ -284,6 +284,9 @@ class LayerStreamer:
     Slots: ``prefetch + 1``. The loader takes requested layers in order while a slot is free; a
     layer's forward waits for it (``bind``) and frees its slot after (``unbind``). Requests run
     cyclically over the streamed layers, so the last layers ask for the next pass's first ones.
+    A slot is always free for the layer a forward waits for: in a whole pass the loaded layers lie
+    in that layer's window; a pass that raised frees its bound layer, so at most ``prefetch`` read-
+    ahead layers keep slots, and they are used when a later pass reaches them.
     """
 
     def __init__(self, layers, streamed: list[int], source: LayerSource, prefetch: int):
@@ -342,7 +345,6 @@ class LayerStreamer:
             while index not in self.ready:
                 if index in self.failed:
                     raise RuntimeError(f"reading decoder layer {index} failed") from self.failed.pop(index)
-                self._evict_outside(index)
                 self.cond.wait()
             slot, fetched = self.ready.pop(index)
             self.in_use[index] = slot
@@ -375,15 +377,6 @@ class LayerStreamer:
             if unit in self.pending:
                 self.pending.remove(unit)
             self.pending.appendleft(unit)
-        self.cond.notify_all()
-
-    def _evict_outside(self, index: int) -> None:
-        """No slot free and ``index`` not loading: free slots held by layers this pass won't use next."""
-        if self.free or self.loading is not None:
-            return
-        keep = set(self.window(index))
-        for unit in [u for u in self.ready if u not in keep]:
-            self.free.append(self.ready.pop(unit)[0])
         self.cond.notify_all()
 
     def _load_loop(self) -> None:
@@ -473,9 +466,7 @@ def load_offloaded(spec: ModelSpec, offload: OffloadSpec, attn_implementation: s
     names = _checkpoint_names(model, entries)
     _load_resident(model, entries, names, {id(p) for i in streamed for p in layers[i].parameters()}, dtype, device)
     if streamed:
-        prefix = {id(m): n for n, m in model.named_modules()}
-        plans = {i: plan_layer({k: entries[f"{prefix[id(layers[i])]}.{k}"] for k, _ in layers[i].named_parameters()})
-                 for i in streamed}
+        plans = {i: plan_layer({k: entries[names[id(p)]] for k, p in layers[i].named_parameters()}) for i in streamed}
         source_ = LayerSource(plans, offload, dtype, device, offload.prefetch_layers + 1)
         _attach(model, LayerStreamer(layers, streamed, source_, offload.prefetch_layers))
     logger.info("%s: %d of %d decoder layers streamed from %s (%s tier, %d read ahead)", spec.name, len(streamed),
@@ -484,8 +475,6 @@ def load_offloaded(spec: ModelSpec, offload: OffloadSpec, attn_implementation: s
 
 
 def _load_generation_config(model, source: str, kwargs: dict) -> None:
-    from transformers import GenerationConfig
-
     try:
         model.generation_config = GenerationConfig.from_pretrained(source, **kwargs)
     except (OSError, ValueError):  # no generation_config.json: from_config's default stays

@@ -73,7 +73,7 @@ def plan_proposers(names: Sequence[str], neural: Sequence[bool], options: Specul
     if unknown:
         raise ValueError(f"unknown SSM name(s) {sorted(unknown)}; known: {list(names)}")
     chosen = [i for i, name in enumerate(names) if options.proposers is None or name in options.proposers]
-    if options.mode == "incremental":
+    if options.mode == "incremental" or options.max_tree_nodes <= 1:  # the root alone: nobody drafts
         return ()
     if options.mode == "sequence":
         models = [i for i in chosen if neural[i]]
@@ -82,12 +82,12 @@ def plan_proposers(names: Sequence[str], neural: Sequence[bool], options: Specul
         schedule = fit_schedule((1,) * options.sequence_depth, options.max_tree_nodes)
         return (Assignment(models[0], DraftSpec(schedule, "sampled", sampling, max_nodes=schedule_nodes(schedule))),)
     schedule = fit_schedule(options.expansion, options.max_tree_nodes)
-    shaped = cost if options.policy == "cost" else None
-    specs = {model: DraftSpec(schedule, options.children, sampling, min_confidence=options.min_confidence,
-                              max_nodes=schedule_nodes(schedule) if model and not shaped else options.max_tree_nodes,
-                              adaptive=options.adaptive, cost=shaped if model else None)
-             for model in (True, False)}
-    return tuple(Assignment(i, specs[bool(neural[i])]) for i in chosen)
+    suffix = DraftSpec(schedule, options.children, sampling, min_confidence=options.min_confidence,
+                       max_nodes=options.max_tree_nodes, adaptive=options.adaptive)
+    model = replace(suffix, cost=cost if options.policy == "cost" else None)
+    # a model draws its schedule's full tree, or up to the budget where its shape follows the cost model
+    model = replace(model, max_nodes=options.max_tree_nodes if model.cost_aware else schedule_nodes(schedule))
+    return tuple(Assignment(i, model if neural[i] else suffix) for i in chosen)
 
 
 def tree_reservation(plan: Sequence[Assignment]) -> int:
@@ -242,9 +242,6 @@ class Session:
     def _plan(self, max_tree_nodes: int) -> None:
         """The assignments for trees of at most ``max_tree_nodes`` (kept until that changes)."""
         self.planned_nodes = max_tree_nodes
-        if max_tree_nodes <= 1:  # the root alone: plain decoding, nobody drafts
-            self.plan = ()
-            return
         options = replace(self.request.speculation, max_tree_nodes=max_tree_nodes)
         self.plan = plan_proposers(self.names, self.neural, options, self.request.sampling, self.cost)
 

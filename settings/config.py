@@ -246,6 +246,11 @@ class EngineConfig(Strict):
                                  f"every actor; give the actors about 1.5x as many threads ({limit * 3 // 2})")
 
     @property
+    def tree_budget_applies(self) -> bool:
+        """Whether tree sizes follow load (``server.tree_budget``): with continuous batching only."""
+        return self.server.batching.enabled and self.server.tree_budget.enabled
+
+    @property
     def cost_aware_shapes(self) -> bool:
         """Whether cost-aware tree shapes can apply (policy "cost" and an SSM): the verify-cost
         curve is measured at start then."""

@@ -152,10 +152,12 @@ def test_disk_tier_reads_the_file_every_pass(tiny_dirs, direct):
         assert proc_read_bytes() - before >= 3 * layer_bytes
 
 
-def test_a_failed_pass_leaves_the_next_pass_exact(tiny_dirs):
-    """A forward that raises in the middle of the layers (bound weights, requested read-ahead)
+@pytest.mark.parametrize("failing_layer", [0, 2, 3])
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+def test_a_failed_pass_leaves_the_next_pass_exact(tiny_dirs, failing_layer, prefetch):
+    """A forward that raises at any layer (bound weights, requested read-ahead, stale loaded layers)
     is cleaned up: the next passes give the resident model's logits, and nothing hangs."""
-    model = offloaded(tiny_dirs["target"], OffloadSpec("disk", 0, 2))
+    model = offloaded(tiny_dirs["target"], OffloadSpec("disk", 0, prefetch))
     resident = tiny_model("qwen2", 151, layers=4, seed=1)
     calls = {"n": 0}
 
@@ -164,13 +166,13 @@ def test_a_failed_pass_leaves_the_next_pass_exact(tiny_dirs):
         if calls["n"] == 1:
             raise RuntimeError("injected")
 
-    handle = model.model.layers[2].register_forward_pre_hook(fail_once)
+    handle = model.model.layers[failing_layer].register_forward_pre_hook(fail_once)
     ids = torch.tensor([PROMPT])
     with pytest.raises(RuntimeError, match="injected"):
         model(input_ids=ids)
     handle.remove()
     with torch.inference_mode():
-        for _ in range(2):
+        for _ in range(3):
             assert torch.allclose(model(input_ids=ids).logits, resident(input_ids=ids).logits, atol=1e-5)
 
 

@@ -165,6 +165,27 @@ def test_plan_carries_the_cost_to_models_only():
     assert by_schedule[0].spec.cost is None
 
 
+@pytest.mark.parametrize("options,sampling,model_nodes", [
+    ({}, SamplingParams(), 20),                                             # greedy, adaptive: shaped up to the budget
+    ({"adaptive": False}, SamplingParams(), 1 + 2 + 4 + 4),                 # not adaptive: the schedule's tree
+    ({"children": "sampled"}, SamplingParams(temperature=0.8), 1 + 2 + 4 + 4),  # drawn children: the schedule's
+    ({"children": "sampled"}, SamplingParams(), 20),                        # greedy takes top-k children anyway
+])
+def test_plan_reserves_the_budget_only_where_the_shape_follows_the_cost(options, sampling, model_nodes):
+    """Admission reserves what the plan can draw: the budget only for a cost-aware shape, else the
+    schedule's full tree (here (2, 2, 1): 11 nodes)."""
+    options = SpeculationOptions(expansion=(2, 2, 1), max_tree_nodes=20, **options)
+    plan = plan_proposers(("ssm", "suffix"), (True, False), options, sampling, cost=FLAT)
+    assert [a.spec.max_nodes for a in plan] == [model_nodes, 20]
+    assert plan[0].spec.cost_aware == (model_nodes == 20)
+
+
+@pytest.mark.parametrize("mode", ["tree", "sequence"])
+def test_a_one_node_budget_plans_no_drafting(mode):
+    options = SpeculationOptions(mode=mode, max_tree_nodes=1)
+    assert plan_proposers(("ssm", "suffix"), (True, False), options, cost=FLAT) == ()
+
+
 def test_release_forgets_the_history():
     drafter = LookupDrafter(SSM_A, 0, "ssm")
     state = drafter.new_state()
