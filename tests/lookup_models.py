@@ -11,7 +11,6 @@ Llama and a word-level tokenizer over its vocabulary for end-to-end and CLI test
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Sequence
 
 import numpy as np
@@ -51,6 +50,13 @@ def node_contexts(tree: TokenTree, committed: Sequence[int]) -> tuple[torch.Tens
     return prev, tokens
 
 
+class NoCache:
+    """A drafter state without KV entries (kv.crop over no layers is a no-op); hashed by identity,
+    like the real states, since drafters key a request's shape history by its state."""
+
+    layers = ()
+
+
 class LookupDrafter(ModelDrafter):
     """ModelDrafter's own ``draft`` loop; the SSM forward is a table look-up (no KV cache)."""
 
@@ -59,7 +65,7 @@ class LookupDrafter(ModelDrafter):
         self.lm = lm
 
     def new_state(self):
-        return SimpleNamespace(layers=[])  # kv.crop over no layers is a no-op
+        return NoCache()
 
     def _extend(self, cache, committed: list[int]) -> torch.Tensor:  # -> [V]
         return self.lm.table[committed[-2], committed[-1]]
