@@ -2,7 +2,8 @@
 
 All SSM actors of a step are called at once, so a step waits for the slowest SSM, not their sum.
 Drafts travel SSM -> merge actor -> verifier as object references: the caller never fetches a
-proposal, it gets the verifier's ``StepOutcome`` back. SSMs and the merge actor receive only the
+proposal, it gets the verifier's ``StepOutcome`` back. With ``prefetch`` each SSM drafts the next
+tree ahead while the merge actor and the verifier work (``actors.ssm``, ``engine.prefetch``). SSMs and the merge actor receive only the
 tokens committed since their last call; one that lacks the request's history answers
 NeedsResync and the step is sent again with the whole history.
 
@@ -45,8 +46,9 @@ class Admission:
 
 class ActorBackend:
     def __init__(self, group: ActorGroup, request_id: str, sampling: SamplingParams, liveness: Liveness,
-                 admission: Admission = Admission()):
+                 admission: Admission = Admission(), prefetch: int = 0):
         self.group, self.request_id, self.sampling, self.admission = group, request_id, sampling, admission
+        self.prefetch = prefetch  # outcomes each SSM drafts ahead for during verification (engine.prefetch)
         self.liveness = liveness
         self.sent = 0  # committed tokens the SSM and merge actors have been sent
         self._drafting: frozenset[int] = frozenset()  # the proposers of the last step sent
@@ -108,7 +110,7 @@ class ActorBackend:
         self._drafting = drafting
         start, self.sent = self.sent, len(committed)
         new = committed[start:]
-        drafts = [self.group.ssms[a.proposer].draft.remote(self.request_id, start, new, a)
+        drafts = [self.group.ssms[a.proposer].draft.remote(self.request_id, start, new, a, self.prefetch)
                   for a in live if self.group.neural[a.proposer]]
         return self.group.merge.merge.remote(self.request_id, start, new, live, *drafts)
 

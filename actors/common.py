@@ -45,14 +45,37 @@ def sync_history(history: list[int], start: int, new_tokens: list[int]) -> None:
     history[start:] = new_tokens
 
 
-def setup_process(torch_threads: int) -> None:
+def setup_process(torch_threads: int, cpu_affinity: list[int] | None = None) -> None:
     """Ray sets OMP_NUM_THREADS=1 in workers; take the configured thread count explicitly.
 
-    Also points JIT-built torch extensions (DeepSpeed's CPU all-reduce) at the cache directory.
+    ``cpu_affinity``: pin this process (all its threads) to these CPUs (``ActorOptions.cpu_affinity``),
+    before torch starts its thread pool. Also points JIT-built torch extensions (DeepSpeed's CPU
+    all-reduce) at the cache directory.
     """
+    if cpu_affinity is not None:
+        pin_process(cpu_affinity)
     torch.set_num_threads(torch_threads)
     os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir(os.environ.get("TORCH_EXTENSIONS_DIR"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def pin_process(cpus: list[int]) -> None:
+    """Pin every thread of this process to ``cpus`` (``os.sched_setaffinity`` is per thread on
+    Linux: Ray's worker threads exist before the actor starts, so each task in /proc/self/task is
+    pinned, like ``taskset -a``; threads started later inherit it). A clear error for CPUs this
+    process may not use."""
+    count = os.cpu_count() or 1
+    if not hasattr(os, "sched_setaffinity") or not all(0 <= cpu < count for cpu in cpus):
+        raise ValueError(f"cpu_affinity {cpus}: this machine has CPUs 0..{count - 1}"
+                         + ("" if hasattr(os, "sched_setaffinity") else " and no affinity support"))
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), set(cpus))
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+        except OSError as error:  # e.g. a container's cpuset without these CPUs
+            raise ValueError(f"cpu_affinity {cpus}: {error}") from None
+    logging.getLogger(__name__).info("pinned to CPUs %s", sorted(cpus))
 
 
 def extensions_dir(configured: str | None) -> str:

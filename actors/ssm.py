@@ -1,19 +1,26 @@
-"""One neural SSM per actor: the model plus each request's draft cache and generator."""
+"""One neural SSM per actor: the model plus each request's draft cache.
+
+Prefetch (``engine.prefetch``): after drafting a request's tree, the actor drafts ahead on a thread
+of its own while the merge actor and the verifier work, for the outcomes it guesses; the request's
+next draft call takes a prepared tree that matches the verdict, or drafts as usual.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 
-import torch
 from transformers import DynamicCache
 
 from settings.config import EngineConfig
 from engine.paged_models import PagedDrafter
 from engine.draft import ModelDrafter
 from engine.kv_pool import PagedSequence
-from engine.step import Assignment, Drafted, draft_with
+from engine.prefetch import PrefetchJob, install, prefetch
+from engine.step import Assignment, Drafted, Prefetched, draft_with
 
 from .guard import Guard, make_dropper
 from .targets import batching_parts
@@ -22,14 +29,19 @@ from .loading import load_configured
 from .store import RequestStore, start_sweeper
 
 
+logger = logging.getLogger(__name__)
+
+
 @dataclass
 class DraftState:
-    """One request's SSM state: the KV cache of its committed tokens and its random stream."""
+    """One request's SSM state: the KV cache of its committed tokens (each draft's generator is
+    made from the committed length: ``Assignment.generator``)."""
 
     cache: DynamicCache | PagedSequence
-    generator: torch.Generator
     committed: list[int] = field(default_factory=list)  # every committed token, root last
     guard: Guard = field(default_factory=Guard)
+    prefetch: PrefetchJob | None = None  # drafting ahead for the step being verified
+    prefetch_spec: object = None  # the DraftSpec it drafts with
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,7 @@ class SSMActor(HoldsRequests):
     """Hosts ``config.ssms[index]`` as proposer ``index`` (its place in the engine's order)."""
 
     def __init__(self, config: EngineConfig, index: int, torch_threads: int):
-        setup_process(torch_threads)
+        setup_process(torch_threads, config.server.ssm_actor.cpu_affinity)
         model_config = config.ssms[index]
         loaded = load_configured(config, model_config)
         self.index, self.name = index, model_config.name
@@ -60,28 +72,75 @@ class SSMActor(HoldsRequests):
         self.vocabulary: Vocabulary = vocabulary(loaded)
         self._stop_sweeper = start_sweeper(self.store, sweep_interval(config.server.request_ttl_s))
         self.timings: deque[DraftTiming] = deque(maxlen=4096)
+        self.ahead = ThreadPoolExecutor(config.server.max_concurrent_requests, thread_name_prefix="prefetch")
 
     def ready(self) -> tuple[str, Vocabulary]:
         return self.name, self.vocabulary
 
-    def draft(self, request_id: str, start: int, new_tokens: list[int], assignment: Assignment) -> Drafted | None:
+    def draft(self, request_id: str, start: int, new_tokens: list[int], assignment: Assignment,
+              prefetch: int = 0) -> Drafted | None:
         """Draft one tree for a request (its state is created on first use); None once released.
 
         ``new_tokens``: the committed tokens from offset ``start`` on (only those this actor has not
-        seen; NeedsResync when it lacks earlier ones). The cache rolls itself forward.
+        seen; NeedsResync when it lacks earlier ones). The cache rolls itself forward. A tree drafted
+        ahead for exactly these committed tokens is used as it is. ``prefetch`` > 0: then draft ahead
+        for that many outcomes of this tree (not with a paged pool).
         """
-        state = self.store.get_or_create(request_id, lambda: DraftState(self.drafter.new_state(),
-                                                                         assignment.generator()))
+        state = self.store.get_or_create(request_id, lambda: DraftState(self.drafter.new_state()))
         if state is None:
             return None
-        with state.guard.lock:
+        began, job = time.perf_counter(), state.prefetch
+        if job is not None:  # the outcome is known: the prefetch stops after its tree (or now)
+            job.want(state.committed[:start] + list(new_tokens))
+        lock, handed = state.guard.lock, False
+        lock.acquire()  # a prefetch in flight holds it: its tree for this outcome, if any, is then ready
+        try:
             if state.guard.dropped:
                 return None
             sync_history(state.committed, start, new_tokens)
             start_s = time.time()
-            drafted = draft_with(self.drafter, state.cache, state.committed, assignment.spec, state.generator)
+            drafted = self._prepared(state, assignment) or draft_with(
+                self.drafter, state.cache, state.committed, assignment.spec, assignment.generator(len(state.committed)))
+            drafted = replace(drafted, draft_ms=(time.perf_counter() - began) * 1e3)
+            if prefetch and not self.paged and drafted.proposal.tree.size > 1:
+                handed = self._start_prefetch(state, drafted, assignment, prefetch)
+        finally:
+            if not handed:
+                lock.release()
         self.timings.append(DraftTiming(request_id, start_s, time.time()))
         return drafted
+
+    def _prepared(self, state: DraftState, assignment: Assignment) -> Drafted | None:
+        """The tree drafted ahead for the committed tokens, installed (a hit); None to draft now.
+        A miss is counted in the drafted tree's figures by the caller's ``replace``."""
+        job, spec, state.prefetch = state.prefetch, state.prefetch_spec, None
+        if job is None:
+            return None
+        prepared = job.take(state.committed) if spec == assignment.spec else None
+        if prepared is None:  # drafted ahead for other outcomes (the cache is back at job.base)
+            return replace(draft_with(self.drafter, state.cache, state.committed, assignment.spec,
+                                      assignment.generator(len(state.committed))), prefetched=Prefetched(misses=1))
+        install(self.drafter, state.cache, job, prepared)
+        return Drafted(prepared.proposal, prefetched=Prefetched(hits=1, saved_ms=prepared.draft_ms))
+
+    def _start_prefetch(self, state: DraftState, drafted: Drafted, assignment: Assignment, count: int) -> bool:
+        """Hand the request's lock (held) to a prefetch on the pool: nothing else of this request runs
+        before it, and the next draft call waits for it. True once handed over."""
+        job = state.prefetch = PrefetchJob(len(state.committed))
+        state.prefetch_spec = assignment.spec
+        self.ahead.submit(self._prefetch, state, job, list(state.committed), drafted, assignment, count)
+        return True
+
+    def _prefetch(self, state: DraftState, job: PrefetchJob, committed: list[int], drafted: Drafted,
+                  assignment: Assignment, count: int) -> None:
+        """Runs on the prefetch pool with the request's lock, handed over by ``draft``; releases it."""
+        try:
+            prefetch(self.drafter, state.cache, committed, drafted.proposal.tree, assignment.spec,
+                     assignment.generator, count, job)
+        except Exception:  # the next draft call drafts as usual (the cache is back at the committed tokens)
+            logger.exception("prefetch failed; drafting goes on without it")
+        finally:
+            state.guard.lock.release()
 
     def batch_counters(self):
         return self.drafter.batcher.counters if self.paged else None

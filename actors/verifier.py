@@ -48,7 +48,7 @@ class TargetInfo:
 class VerifierActor(HoldsRequests):
     def __init__(self, config: EngineConfig, torch_threads: int, name_prefix: str = "specinfer",
                  namespace: str | None = None):
-        setup_process(torch_threads)
+        setup_process(torch_threads, config.verifier.actor.cpu_affinity)
         self.paged = config.server.batching.enabled
         self.store: RequestStore[VerifyState] = RequestStore(
             config.server.request_ttl_s, on_drop=make_dropper(lambda state: self.target.release(state.target)))

@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench.report import bar_panels, optional
+
 logger = logging.getLogger("bench.offload")
 
 METHODS = ("incremental", "sequence:4", "tree")
@@ -265,13 +267,9 @@ def markdown(result: dict) -> str:
              "| method | decode ms/token | speedup vs incremental | vs sequence:4 | end-to-end ms/token | tokens/pass "
              "| draft nodes/pass | MB read/token | peak anon RSS MB | peak RSS MB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-
-    def fmt(value, spec=".2f") -> str:
-        return "–" if value is None else format(value, spec)
-
     for method, v in result["summary"].items():
-        lines.append(f"| {method} | {fmt(v['decode_ms_per_token'], '.0f')} | {fmt(v['speedup_vs_incremental'])} | "
-                     f"{fmt(v['speedup_vs_sequence:4'])} | {v['ms_per_token_end_to_end']:.0f} | "
+        lines.append(f"| {method} | {optional(v['decode_ms_per_token'], '.0f')} | {optional(v['speedup_vs_incremental'])} | "
+                     f"{optional(v['speedup_vs_sequence:4'])} | {v['ms_per_token_end_to_end']:.0f} | "
                      f"{v['tokens_per_pass']:.2f} | {v['mean_tree_nodes']:.1f} | {v['mb_read_per_token']:.0f} | "
                      f"{v['peak_anon_rss_mb']:.0f} | {v['peak_rss_mb']:.0f} |")
     lines += ["", f"Greedy outputs equal to incremental's: {result['outputs_equal_incremental']}",
@@ -280,21 +278,10 @@ def markdown(result: dict) -> str:
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     methods = list(summary)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    axes[0].bar(methods, [summary[m]["ms_per_token_end_to_end"] for m in methods])
-    axes[0].set_ylabel("ms per token (end to end)")
-    axes[1].bar(methods, [summary[m]["mb_read_per_token"] for m in methods])
-    axes[1].set_ylabel("MB read per token")
-    for axis in axes:
-        axis.tick_params(axis="x", rotation=20)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    bar_panels(path, methods, [
+        ("ms per token (end to end)", {"ms per token": [summary[m]["ms_per_token_end_to_end"] for m in methods]}),
+        ("MB read per token", {"MB read": [summary[m]["mb_read_per_token"] for m in methods]})])
 
 
 def outputs_equal(rows: list[Row]) -> dict[str, str]:

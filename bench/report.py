@@ -172,6 +172,30 @@ def _pyplot():
     return plt
 
 
+def bar_panels(path: Path, methods: Sequence[str], panels: Sequence[tuple[str, dict[str, list[float]]]]) -> None:
+    """One bar chart per panel, side by side: (y label, {series: a value per method}); several series
+    in a panel are stacked (a legend names them). Nothing is drawn without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
+    for axis, (label, series) in zip(axes[0], panels):
+        bottom = [0.0] * len(methods)
+        for name, values in series.items():
+            axis.bar(methods, values, bottom=bottom, label=name)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        axis.set_ylabel(label)
+        axis.tick_params(axis="x", rotation=20)
+        if len(series) > 1:
+            axis.legend()
+    _save(plt, fig, path)
+
+
+def optional(value: float | None, spec: str = ".2f") -> str:
+    """A table cell: ``value`` formatted, or a dash for None."""
+    return "–" if value is None else format(value, spec)
+
+
 def plot_speedup(plt, results: dict, path: Path) -> bool:
     data = {m: [r["speedup_vs_incremental"] for r in results["per_prompt"]
                 if r["method"] == m and r["speedup_vs_incremental"] is not None] for m in results["summary"]}

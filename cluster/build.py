@@ -40,7 +40,7 @@ def speculation_options(config: EngineConfig) -> SpeculationOptions:
     s = config.speculation
     return SpeculationOptions(mode=s.mode, expansion=tuple(s.expansion), sequence_depth=s.sequence_depth,
                               children=s.children, max_tree_nodes=s.max_tree_nodes,
-                              min_confidence=s.min_confidence, policy=s.policy)
+                              min_confidence=s.min_confidence, policy=s.policy, prefetch=s.prefetch)
 
 
 def tree_cost(config: EngineConfig, curve: dict[int, float] | None) -> TreeCost | None:

@@ -42,6 +42,10 @@ def add_sampling_arguments(parser) -> None:
     parser.add_argument("--no-adaptive", dest="adaptive", action="store_false", default=None,
                         help="tree shapes from this request alone (no global suffix store, no cost-aware sizes): "
                              "a seeded request gives the same tokens whatever else ran")
+    parser.add_argument("--prefetch", type=int, default=None, metavar="N",
+                        help="served path: each SSM drafts the next tree during verification for N guessed "
+                             "outcomes (0: off; default from config); in-process drafting cannot overlap, so it "
+                             "changes nothing there")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -73,8 +77,8 @@ def request_from_args(config: EngineConfig, args, prompt_ids: list[int]) -> Gene
         seed=args.seed,
     )
     options = speculation_options(config)
-    changes = {k: v for k, v in (("mode", args.mode), ("children", args.children), ("adaptive", args.adaptive))
-               if v is not None}
+    changes = {k: v for k, v in (("mode", args.mode), ("children", args.children), ("adaptive", args.adaptive),
+                                 ("prefetch", args.prefetch)) if v is not None}
     if changes:
         options = type(options)(**{**options.__dict__, **changes})
     return GenerationRequest(tuple(prompt_ids), args.max_new_tokens or d.max_new_tokens, sampling, options,

@@ -175,7 +175,7 @@ def request_from_args(args):
         None if args.chat else args.prompt, [("user", args.prompt)] if args.chat else (),
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, mode=args.mode, expansion=expansion, ssms=args.ssm, children=args.children,
-        adaptive=args.adaptive)
+        adaptive=args.adaptive, prefetch=args.prefetch)
 
 
 def call(address: str, args) -> dict:

@@ -86,6 +86,12 @@ SPECS = {spec.name: spec for spec in (
     MetricSpec("specinfer:spec_decode_tree_nodes", HISTOGRAM,
                "Per verify step: draft tokens in the merged token tree (the root excluded; 0: plain decoding), "
                "the tree sizes the cost-aware policy and the load budget chose.", boundaries=TREE_NODES_BUCKETS),
+    MetricSpec("specinfer:spec_decode_prefetch", COUNTER,
+               "SSM trees drafted ahead during verification (speculation.prefetch), per SSM and step: result "
+               "hit (the verdict matched a prepared tree, used at once) or miss (prepared for other outcomes).",
+               ("result",)),
+    MetricSpec("specinfer:spec_decode_prefetch_saved_seconds", COUNTER,
+               "Seconds of SSM drafting the prefetch hits did not wait for (drafted during verification)."),
     MetricSpec("specinfer:tokens_per_step", HISTOGRAM,
                "Per request: generated tokens / target steps (1.0 without speculation).",
                boundaries=TOKENS_PER_STEP_BUCKETS),
@@ -194,6 +200,9 @@ class ServingMetrics:
             _inc(m["specinfer:step_hop_seconds"], ms / 1e3, {"hop": hop})
         for size in stats.tree_sizes:
             m["specinfer:spec_decode_tree_nodes"].observe(size)
+        _inc(m["specinfer:spec_decode_prefetch"], stats.prefetch_hits, {"result": "hit"})
+        _inc(m["specinfer:spec_decode_prefetch"], stats.prefetch_misses, {"result": "miss"})
+        _inc(m["specinfer:spec_decode_prefetch_saved_seconds"], stats.prefetch_saved_ms / 1e3)
         if o.status != "OK":
             return
         m["specinfer:tokens_per_step"].observe(stats.tokens_per_step)

@@ -11,7 +11,7 @@ output. ``usage`` carries the token counts plus ``speculation`` (the request's G
 
 Mapping: ``max_tokens`` / ``max_completion_tokens`` -> max_new_tokens, ``temperature``, ``top_p``,
 ``seed``, ``stop`` (string or list); extras ``top_k``, ``speculation`` {mode, expansion, ssms,
-children, sequence_depth, adaptive} and ``return_token_ids`` (vLLM's name: the choices carry
+children, sequence_depth, adaptive, prefetch} and ``return_token_ids`` (vLLM's name: the choices carry
 ``token_ids``). Unset fields take the server's defaults (so an unset temperature is the server's, greedy by
 default, not OpenAI's 1.0). Unsupported parameters set to anything but their neutral value (``n`` >
 1, ``logprobs``, ``top_logprobs``, penalties, ``logit_bias``, ``best_of`` > 1, ``echo``, ``suffix``,
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 MODE_VALUES = {name: value for value, name in MODES.items()}
 CHILDREN_VALUES = {name: value for value, name in CHILDREN.items()}
-SPECULATION_KEYS = ("mode", "expansion", "ssms", "children", "sequence_depth", "adaptive")
+SPECULATION_KEYS = ("mode", "expansion", "ssms", "children", "sequence_depth", "adaptive", "prefetch")
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}  # "abort": vLLM's word
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
                "UNAVAILABLE": 503, "CANCELLED": 499, "INTERNAL": 500}
@@ -199,7 +199,7 @@ def _stop(body: dict) -> list[str]:
 
 
 def _speculation(body: dict, request: pb.GenerateRequest) -> None:
-    """The ``speculation`` extra: {mode, expansion, ssms, children, sequence_depth, adaptive}."""
+    """The ``speculation`` extra: {mode, expansion, ssms, children, sequence_depth, adaptive, prefetch}."""
     spec = body.get("speculation")
     if spec is None:
         return
@@ -237,6 +237,9 @@ def _speculation(body: dict, request: pb.GenerateRequest) -> None:
         if not isinstance(spec["adaptive"], bool):
             raise invalid("speculation.adaptive", f"must be true or false, got {spec['adaptive']!r}", "invalid_type")
         s.adaptive = spec["adaptive"]
+    prefetch = _integer(spec, "prefetch", "speculation.prefetch")
+    if prefetch is not None:
+        _assign(s, "prefetch", prefetch, "speculation.prefetch")
 
 
 def _assign(message, field: str, value, param: str) -> None:
@@ -370,7 +373,9 @@ def speculation_usage(stats) -> dict:
             "accepted_per_ssm": dict(stats.accepted_per_proposer),
             "accepted_per_depth": list(stats.accepted_per_depth), "ms_per_token": stats.ms_per_token,
             "draft_ms": stats.draft_ms, "verify_ms": stats.verify_ms, "total_ms": stats.total_ms,
-            "hop_ms": dict(stats.hop_ms), "tree_sizes": list(stats.tree_sizes)}
+            "hop_ms": dict(stats.hop_ms), "tree_sizes": list(stats.tree_sizes),
+            "prefetch_hits": stats.prefetch_hits, "prefetch_misses": stats.prefetch_misses,
+            "prefetch_saved_ms": stats.prefetch_saved_ms}
 
 
 def usage(observation: RequestObservation, stats) -> dict:

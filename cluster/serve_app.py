@@ -81,7 +81,8 @@ class SpecInferIngress:
         self.cost = tree_cost(config, curve)
         if self.budget is not None:
             logger.info("tree budget: %d tree tokens per pass (verify-cost curve %s)", self.budget.cap, curve)
-        self.limits = ModelLimits(self.group.names, self.group.neural, info.max_context)
+        self.limits = ModelLimits(self.group.names, self.group.neural, info.max_context,
+                                  prefetch=not config.server.batching.enabled and any(self.group.neural))
         health = config.server.health
         self.liveness = Liveness(self.group.roles(), health.probe_timeout_s, health.retry_interval_s)
         self.active, self.draining = 0, False
@@ -158,7 +159,8 @@ class SpecInferIngress:
             parsed = parse_request(decode_request(request), self.config, self.base_options, self.tokenizer,
                                    self.limits)
             observation.admitted(len(parsed.prompt_ids))
-            backend = ActorBackend(self.group, request_id, parsed.sampling, self.liveness, self._admission(parsed))
+            backend = ActorBackend(self.group, request_id, parsed.sampling, self.liveness, self._admission(parsed),
+                                   prefetch=parsed.speculation.prefetch)
             session = Session(backend, parsed, self.group.names, self.group.neural, self.tokenizer, self.eos_ids,
                               self._tree_budget, self.cost)
             logger.info("request: %d prompt tokens, max_new_tokens %d, mode %s, %s (serve request id %s)",

@@ -24,7 +24,7 @@ def build_request(prompt: str | None = None, messages: Sequence[tuple[str, str]]
                   top_k: int | None = None, seed: int | None = None, stop: Sequence[str] = (),
                   mode: str | None = None, expansion: Sequence[int] | None = (), ssms: Sequence[str] | None = (),
                   children: str | None = None, sequence_depth: int | None = None,
-                  adaptive: bool | None = None) -> pb.GenerateRequest:
+                  adaptive: bool | None = None, prefetch: int | None = None) -> pb.GenerateRequest:
     """A GenerateRequest; None leaves a field unset (the server's default applies)."""
     request = pb.GenerateRequest(prompt=prompt or "", stop=list(stop),
                                  messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
@@ -32,7 +32,8 @@ def build_request(prompt: str | None = None, messages: Sequence[tuple[str, str]]
                          ("top_k", top_k), ("seed", seed)):
         if value is not None:
             setattr(request, field, value)
-    if mode or expansion or ssms or children or sequence_depth is not None or adaptive is not None:
+    if mode or expansion or ssms or children or sequence_depth is not None or adaptive is not None \
+            or prefetch is not None:
         s = request.speculation
         s.mode = {v: k for k, v in MODES.items()}[mode] if mode else pb.SPECULATION_MODE_UNSPECIFIED
         s.children = {v: k for k, v in CHILDREN.items()}[children] if children else pb.CHILDREN_RULE_UNSPECIFIED
@@ -42,6 +43,8 @@ def build_request(prompt: str | None = None, messages: Sequence[tuple[str, str]]
             s.sequence_depth = sequence_depth
         if adaptive is not None:
             s.adaptive = adaptive
+        if prefetch is not None:
+            s.prefetch = prefetch
     return request
 
 
@@ -51,7 +54,8 @@ def stats_dict(stats: pb.GenerationStats) -> dict:
               "total_ms", "draft_tokens", "accepted_tokens")
     return {**{name: getattr(stats, name) for name in fields},
             "accepted_per_ssm": dict(stats.accepted_per_ssm), "accepted_per_depth": list(stats.accepted_per_depth),
-            "hop_ms": dict(stats.hop_ms), "tree_sizes": list(stats.tree_sizes)}
+            "hop_ms": dict(stats.hop_ms), "tree_sizes": list(stats.tree_sizes), "prefetch_hits": stats.prefetch_hits,
+            "prefetch_misses": stats.prefetch_misses, "prefetch_saved_ms": stats.prefetch_saved_ms}
 
 
 def response_dict(response: pb.GenerateResponse) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from engine.requests import GenerationRequest, GenerationStats, SpeculationOptions
+from engine.requests import MAX_PREFETCH, GenerationRequest, GenerationStats, SpeculationOptions
 from engine.step import plan_proposers
 from engine.sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
 from protos import specinfer_pb2 as pb
@@ -49,6 +49,7 @@ class ModelLimits:
     names: tuple[str, ...]  # proposers in engine order
     neural: tuple[bool, ...]
     max_context: int | None  # the target's context (prompt + new tokens), None: unbounded
+    prefetch: bool = False  # SSMs may draft ahead during verification (engine.prefetch; not with batching)
 
 
 def sampling_params(request: pb.GenerateRequest, config: EngineConfig) -> SamplingParams:
@@ -89,12 +90,25 @@ def speculation_options(request: pb.GenerateRequest, base: SpeculationOptions,
         base, mode=MODES.get(s.mode, base.mode), expansion=expansion, sequence_depth=depth,
         children=CHILDREN.get(s.children, base.children), proposers=tuple(s.ssms) or base.proposers,
         adaptive=s.adaptive if s.HasField("adaptive") else base.adaptive,
+        prefetch=prefetch_count(s, base, limits),
         policy="schedule" if s.expansion else base.policy)  # an explicit schedule is followed as given
     try:
         plan_proposers(limits.names, limits.neural, options)
     except ValueError as error:
         raise InvalidArgument("speculation", str(error)) from None
     return options
+
+
+def prefetch_count(s: pb.SpeculationOptions, base: SpeculationOptions, limits: ModelLimits) -> int:
+    """The request's ``speculation.prefetch`` (unset: the server's), checked against its bound."""
+    if not s.HasField("prefetch"):
+        return base.prefetch
+    if not 0 <= s.prefetch <= MAX_PREFETCH:
+        raise InvalidArgument("speculation.prefetch", f"must be in [0, {MAX_PREFETCH}], got {s.prefetch}")
+    if s.prefetch and not limits.prefetch:
+        raise InvalidArgument("speculation.prefetch", "needs SSMs drafting beside the verifier: not available "
+                              "with continuous batching (server.batching.enabled) or without a neural SSM")
+    return s.prefetch
 
 
 def check_enum(field: str, value: int, known: dict[int, str]) -> None:
@@ -184,7 +198,8 @@ def stats_message(stats: GenerationStats) -> pb.GenerationStats:
         verify_ms=stats.verify_ms, total_ms=stats.total_ms, draft_tokens=stats.draft_tokens,
         accepted_tokens=stats.accepted_tokens, accepted_per_ssm=dict(stats.accepted_per_proposer),
         accepted_per_depth=list(stats.accepted_per_depth), hop_ms=dict(stats.hop_ms),
-        tree_sizes=list(stats.tree_sizes))
+        tree_sizes=list(stats.tree_sizes), prefetch_hits=stats.prefetch_hits, prefetch_misses=stats.prefetch_misses,
+        prefetch_saved_ms=stats.prefetch_saved_ms)
 
 
 def finish_reason(reason: str | None) -> int:

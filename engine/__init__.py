@@ -20,6 +20,7 @@ Glossary of dimension letters used in tensor shape comments (``# [N, V]``):
     P  prefix length: tokens already held in a KV cache
     S  sequence length of a forward's input
     A  accepted path length, root included
+    G  nodes of a proposer's own best path, root excluded (prefetch guesses the outcome along it)
     V  vocabulary size
     L  transformer layers
     H  key/value heads
@@ -27,4 +28,5 @@ Glossary of dimension letters used in tensor shape comments (``# [N, V]``):
 """
 
 __all__ = ["tree", "models", "kv", "draft", "merge", "verify", "sampling", "target", "requests", "step", "generate",
-           "kv_pool", "packed", "batcher", "paged_models", "budget", "shape", "text", "offload"]
+           "kv_pool", "packed", "batcher", "paged_models", "budget", "shape", "text", "offload",
+           "prefetch"]

@@ -165,6 +165,26 @@ class ModelDrafter:
             history = self._shapes[state] = ShapeHistory()
         return history
 
+    def shape_of(self, state) -> ShapeHistory | None:
+        """The request's shape history, None before its first cost-aware draft (made by none)."""
+        return self._shapes.get(state)
+
+    def set_shape(self, state, history: ShapeHistory | None) -> None:
+        """Put back a shape history from ``shape_of`` (prefetch drafts ahead, then restores it)."""
+        if history is None:
+            self._shapes.pop(state, None)
+        else:
+            self._shapes[state] = history
+
+    @torch.inference_mode()
+    def forward_tokens(self, cache: DynamicCache, tokens: list[int]) -> torch.Tensor:  # -> [G, V]
+        """The SSM's logits after each of ``tokens`` fed after the cached ones; the cache is left as it was."""
+        length = kv.cache_length(cache)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
+        out = self.model(input_ids=ids, **kv.cache_argument(self.model, cache), use_cache=True)
+        kv.crop(cache, length)
+        return out.logits[0].float().cpu()
+
     @torch.inference_mode()
     def draft(
         self, cache: DynamicCache, committed: list[int], spec: DraftSpec, generator: torch.Generator

@@ -14,13 +14,17 @@ from .target import Target
 
 
 class LocalBackend:
-    """A request's states in this process: the target's, each proposer's, and their generators."""
+    """A request's states in this process: the target's and each proposer's.
+
+    Prefetch (``SpeculationOptions.prefetch``) needs drafting to overlap verification, so it runs
+    in the served path only; here drafts and verification alternate and the option changes nothing.
+    """
 
     def __init__(self, engine: "SpeculativeEngine", request: GenerationRequest):
         self.engine, self.sampling = engine, request.sampling
         self.target_state = engine.target.new_state()
         self.generator = make_generator(request.sampling.seed, TARGET_STREAM)
-        self.proposers: dict[int, tuple] = {}  # proposer -> (state, generator), made on first use
+        self.proposers: dict[int, object] = {}  # proposer -> its state, made on first use
 
     async def prefill(self, prompt_ids: list[int]) -> int:
         logits = self.engine.target.prefill(self.target_state, prompt_ids)  # [V]
@@ -31,9 +35,9 @@ class LocalBackend:
         for assignment in plan:
             drafter = self.engine.drafters[assignment.proposer]
             if assignment.proposer not in self.proposers:
-                self.proposers[assignment.proposer] = (drafter.new_state(), assignment.generator())
-            state, generator = self.proposers[assignment.proposer]
-            drafts.append(draft_with(drafter, state, committed, assignment.spec, generator))
+                self.proposers[assignment.proposer] = drafter.new_state()
+            state = self.proposers[assignment.proposer]
+            drafts.append(draft_with(drafter, state, committed, assignment.spec, assignment.generator(len(committed))))
         return merge_drafts(drafts, committed[-1], sum(d.draft_ms for d in drafts))  # drafted one after another
 
     async def verify(self, drafted: Drafted) -> StepOutcome:
@@ -42,7 +46,7 @@ class LocalBackend:
     def release(self) -> None:
         """Give the target's and every proposer's state back (paged KV blocks return to their pool)."""
         self.engine.target.release(self.target_state)
-        for proposer, (state, _) in self.proposers.items():
+        for proposer, state in self.proposers.items():
             self.engine.drafters[proposer].release(state)
         self.proposers = {}
 

@@ -50,3 +50,17 @@ def keep_path(cache: DynamicCache, prefix_length: int, path: list[int]) -> None:
             layer.keys[..., target, :] = layer.keys[..., source, :]
             layer.values[..., target, :] = layer.values[..., source, :]
     crop(cache, prefix_length + len(path))
+
+
+def tail(cache: DynamicCache, start: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """Copies of every layer's entries from ``start`` on: (keys, values) per layer, [B, H, P - start, D]."""
+    return tuple((layer.keys[..., start:, :].clone(), layer.values[..., start:, :].clone()) for layer in cache.layers)
+
+
+def restore_tail(cache: DynamicCache, start: int, entries: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> None:
+    """Crop to ``start`` and append ``entries`` (from ``tail``): the cache holds what it held when
+    ``tail`` copied them, value for value."""
+    crop(cache, start)
+    for layer, (keys, values) in zip(cache.layers, entries):
+        layer.keys = torch.cat([layer.keys, keys], dim=-2)
+        layer.values = torch.cat([layer.values, values], dim=-2)

@@ -11,6 +11,7 @@ from .sampling import SamplingParams
 
 MODES = ("incremental", "sequence", "tree")
 POLICIES = ("cost", "schedule")  # tree shapes: cost-aware (engine.shape) where a cost model exists, or the schedule
+MAX_PREFETCH = 8  # outcomes an SSM drafts ahead for, at most
 HOPS = ("draft", "merge", "verify", "transport")  # where a step's wall time goes (GenerationStats.hop_ms)
 
 
@@ -33,12 +34,17 @@ class SpeculationOptions:
     # sampled request gives the same tokens whatever else the server ran.
     adaptive: bool = True
     policy: str = "cost"
+    # Served path: while the target verifies a tree, each SSM drafts the next one for up to this many
+    # guessed outcomes (engine.prefetch); 0: off.
+    prefetch: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not 0 <= self.prefetch <= MAX_PREFETCH:
+            raise ValueError(f"prefetch must be in [0, {MAX_PREFETCH}], got {self.prefetch}")
         if self.sequence_depth < 1 or self.max_tree_nodes < 1:
             raise ValueError("sequence_depth and max_tree_nodes must be >= 1")
         if not 0.0 <= self.min_confidence <= 1.0:
@@ -72,6 +78,9 @@ class StepOutcome:
     draft_ms: float = 0.0
     merge_ms: float = 0.0
     verify_ms: float = 0.0
+    prefetch_hits: int = 0  # proposers whose tree was drafted ahead for this outcome (engine.prefetch)
+    prefetch_misses: int = 0  # proposers that had drafted ahead for other outcomes
+    prefetch_saved_ms: float = 0.0  # drafting ms the hits did not wait for
 
 
 @dataclass
@@ -94,6 +103,9 @@ class GenerationStats:
     accepted_per_depth: list[int] = field(default_factory=list)
     hop_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(HOPS, 0.0))
     tree_sizes: list[int] = field(default_factory=list)  # each step's merged tree: draft tokens (root excluded)
+    prefetch_hits: int = 0  # summed over steps and proposers (StepOutcome)
+    prefetch_misses: int = 0
+    prefetch_saved_ms: float = 0.0
 
     @property
     def tokens_per_step(self) -> float:
@@ -115,7 +127,8 @@ class GenerationStats:
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
             "accepted_per_proposer": dict(self.accepted_per_proposer),
             "accepted_per_depth": list(self.accepted_per_depth), "hop_ms": dict(self.hop_ms),
-            "tree_sizes": list(self.tree_sizes),
+            "tree_sizes": list(self.tree_sizes), "prefetch_hits": self.prefetch_hits,
+            "prefetch_misses": self.prefetch_misses, "prefetch_saved_ms": self.prefetch_saved_ms,
         }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -61,15 +62,27 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:  # [..., V] -> [.
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def make_generator(seed: int | None, stream: int) -> torch.Generator:
-    """A CPU generator for one consumer of a request's randomness.
+def make_generator(seed: int | None, stream: int, position: int = 0) -> torch.Generator:
+    """A CPU generator for one consumer of a request's randomness at one point of the request.
 
-    stream 0 is the verifier, stream i + 1 the i-th proposer, so the same seeded request draws
-    the same numbers wherever it runs. Without a seed the generator is seeded from the OS.
+    stream 0 is the verifier, stream i + 1 the i-th proposer; ``position`` is the committed length
+    a draft is made at, so a proposer's draws for a step never depend on how many drafts ran
+    before (a prefetched draft and the normal one draw the same numbers). The three are hashed
+    together (BLAKE2b), so neighbouring seeds, streams and positions give unrelated streams.
+    Without a seed the generator is seeded from the OS.
     """
     generator = torch.Generator()
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed((int(seed) * 1_000_003 + stream) % (2**63))
+        generator.manual_seed(stream_seed(int(seed), stream, position))
     return generator
+
+
+def stream_seed(seed: int, stream: int, position: int) -> int:
+    """A 63-bit seed from (seed, stream, position): the first 8 bytes of their BLAKE2b digest.
+
+    Unlike ``seed * 1_000_003 + stream``, (1, 1_000_003) and (2, 0) do not collide.
+    """
+    digest = hashlib.blake2b(f"{seed}/{stream}/{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)

@@ -12,7 +12,9 @@ engine drives the same coroutines with ``run_sync``/``iterate_sync``: its backen
 suspends, so each coroutine runs to its end in one ``send`` and no event loop is needed.
 
 Random streams: stream 0 is the target's (first token, verification), stream ``i + 1`` proposer
-i's, so a seeded request draws the same numbers wherever each part runs.
+i's, so a seeded request draws the same numbers wherever each part runs. A proposer's generator is
+made anew for each draft from (seed, stream, committed length): its draws never depend on how many
+drafts ran before, so a draft prefetched during verification equals the one drafted after it.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ class Assignment:
     proposer: int
     spec: DraftSpec
 
-    def generator(self) -> torch.Generator:
-        return make_generator(self.spec.sampling.seed, proposer_stream(self.proposer))
+    def generator(self, position: int) -> torch.Generator:
+        """The generator of this proposer's draft at committed length ``position``."""
+        return make_generator(self.spec.sampling.seed, proposer_stream(self.proposer), position)
 
 
 def plan_proposers(names: Sequence[str], neural: Sequence[bool], options: SpeculationOptions,
@@ -104,12 +107,27 @@ def tree_reservation(plan: Sequence[Assignment]) -> int:
 
 
 @dataclass(frozen=True)
+class Prefetched:
+    """Prefetch figures of a step's drafts (``engine.prefetch``): proposers whose tree was ready
+    when the verdict came (hits), proposers that had drafted ahead for other outcomes (misses),
+    and the drafting ms the hits did not wait for."""
+
+    hits: int = 0
+    misses: int = 0
+    saved_ms: float = 0.0
+
+    def __add__(self, other: "Prefetched") -> "Prefetched":
+        return Prefetched(self.hits + other.hits, self.misses + other.misses, self.saved_ms + other.saved_ms)
+
+
+@dataclass(frozen=True)
 class Drafted:
     """A (merged) proposal with the time its drafting and merging took where they ran."""
 
     proposal: Proposal
     draft_ms: float = 0.0
     merge_ms: float = 0.0
+    prefetched: Prefetched = Prefetched()
 
 
 def root_only_proposal(root: int) -> Proposal:
@@ -132,7 +150,8 @@ def merge_drafts(drafts: Sequence[Drafted], root: int, draft_ms: float) -> Draft
     """
     began = time.perf_counter()
     proposal = merge([d.proposal for d in drafts]) if drafts else root_only_proposal(root)
-    return Drafted(proposal, draft_ms, (time.perf_counter() - began) * 1e3)
+    prefetched = sum((d.prefetched for d in drafts), Prefetched())
+    return Drafted(proposal, draft_ms, (time.perf_counter() - began) * 1e3, prefetched)
 
 
 def first_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:  # logits [V]
@@ -161,9 +180,11 @@ def step_outcome(drafted: Drafted, verdict: Verdict, verify_ms: float) -> StepOu
     accepted = list(verdict.path[1:])
     node_depths, draws = depths(proposal.tree.parents), proposal.draws
     by = tuple(tuple(sorted(set(draws.proposer[draws.node == node].tolist()))) for node in accepted)
+    prefetched = drafted.prefetched
     return StepOutcome(tuple(proposal.tree.tokens[accepted].tolist()) + (verdict.next_token,),
                        tuple(int(node_depths[node]) for node in accepted), by, proposal.tree.size - 1,
-                       drafted.draft_ms, drafted.merge_ms, verify_ms)
+                       drafted.draft_ms, drafted.merge_ms, verify_ms,
+                       prefetched.hits, prefetched.misses, prefetched.saved_ms)
 
 
 # -- Where the phases run. --------------------------------------------------------------------
@@ -278,6 +299,9 @@ def record_step(stats: GenerationStats, outcome: StepOutcome, names: Sequence[st
         stats.hop_ms[hop] += inside[hop]
     stats.draft_ms += wall_ms - outcome.verify_ms
     stats.verify_ms += outcome.verify_ms
+    stats.prefetch_hits += outcome.prefetch_hits
+    stats.prefetch_misses += outcome.prefetch_misses
+    stats.prefetch_saved_ms += outcome.prefetch_saved_ms
 
 
 def take_new_tokens(new: Sequence[int], generated: int, max_new_tokens: int, eos_ids) -> tuple[list[int], str | None]:

@@ -49,20 +49,22 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SpeculationOptions(_message.Message):
-    __slots__ = ("mode", "expansion", "ssms", "children", "sequence_depth", "adaptive")
+    __slots__ = ("mode", "expansion", "ssms", "children", "sequence_depth", "adaptive", "prefetch")
     MODE_FIELD_NUMBER: _ClassVar[int]
     EXPANSION_FIELD_NUMBER: _ClassVar[int]
     SSMS_FIELD_NUMBER: _ClassVar[int]
     CHILDREN_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculationMode
     expansion: _containers.RepeatedScalarFieldContainer[int]
     ssms: _containers.RepeatedScalarFieldContainer[str]
     children: ChildrenRule
     sequence_depth: int
     adaptive: bool
-    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., expansion: _Optional[_Iterable[int]] = ..., ssms: _Optional[_Iterable[str]] = ..., children: _Optional[_Union[ChildrenRule, str]] = ..., sequence_depth: _Optional[int] = ..., adaptive: _Optional[bool] = ...) -> None: ...
+    prefetch: int
+    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., expansion: _Optional[_Iterable[int]] = ..., ssms: _Optional[_Iterable[str]] = ..., children: _Optional[_Union[ChildrenRule, str]] = ..., sequence_depth: _Optional[int] = ..., adaptive: _Optional[bool] = ..., prefetch: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "speculation")
@@ -87,7 +89,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("mode", "target_steps", "new_tokens", "tokens_per_step", "ms_per_token", "draft_ms", "verify_ms", "total_ms", "draft_tokens", "accepted_tokens", "accepted_per_ssm", "accepted_per_depth", "hop_ms", "tree_sizes")
+    __slots__ = ("mode", "target_steps", "new_tokens", "tokens_per_step", "ms_per_token", "draft_ms", "verify_ms", "total_ms", "draft_tokens", "accepted_tokens", "accepted_per_ssm", "accepted_per_depth", "hop_ms", "tree_sizes", "prefetch_hits", "prefetch_misses", "prefetch_saved_ms")
     class AcceptedPerSsmEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +118,9 @@ class GenerationStats(_message.Message):
     ACCEPTED_PER_DEPTH_FIELD_NUMBER: _ClassVar[int]
     HOP_MS_FIELD_NUMBER: _ClassVar[int]
     TREE_SIZES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_MISSES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_SAVED_MS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     target_steps: int
     new_tokens: int
@@ -130,7 +135,10 @@ class GenerationStats(_message.Message):
     accepted_per_depth: _containers.RepeatedScalarFieldContainer[int]
     hop_ms: _containers.ScalarMap[str, float]
     tree_sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, mode: _Optional[str] = ..., target_steps: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., ms_per_token: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_ssm: _Optional[_Mapping[str, int]] = ..., accepted_per_depth: _Optional[_Iterable[int]] = ..., hop_ms: _Optional[_Mapping[str, float]] = ..., tree_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefetch_hits: int
+    prefetch_misses: int
+    prefetch_saved_ms: float
+    def __init__(self, mode: _Optional[str] = ..., target_steps: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., ms_per_token: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_ssm: _Optional[_Mapping[str, int]] = ..., accepted_per_depth: _Optional[_Iterable[int]] = ..., hop_ms: _Optional[_Mapping[str, float]] = ..., tree_sizes: _Optional[_Iterable[int]] = ..., prefetch_hits: _Optional[int] = ..., prefetch_misses: _Optional[int] = ..., prefetch_saved_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")

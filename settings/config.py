@@ -93,6 +93,9 @@ class SpeculationConfig(Strict):
     children: Literal["top_k", "sampled", "sampled_without_replacement"] = "top_k"
     max_tree_nodes: int = Field(default=64, ge=1, le=1024, description="nodes per proposer's tree, root included")
     min_confidence: float = Field(default=0.0, ge=0.0, le=1.0, description="dynamic tree threshold")
+    prefetch: int = Field(default=0, ge=0, le=8, description=(
+        "served path: while the target verifies a tree, each SSM drafts the next one for up to this many "
+        "guessed outcomes (engine.prefetch); 0: off. Not with server.batching.enabled"))
 
     @field_validator("expansion")
     @classmethod
@@ -117,6 +120,17 @@ class ActorOptions(Strict):
     max_restarts: int = Field(default=-1, ge=-1, description="-1: restart a killed actor every time")
     max_concurrency: int = Field(default=16, ge=1)
     torch_threads: int = Field(default=2, ge=1)
+    cpu_affinity: list[int] | None = Field(default=None, description=(
+        "CPU ids the actor's process is pinned to (os.sched_setaffinity, Linux), e.g. [1] for the SSM and [0] "
+        "for the verifier so drafting and verifying run side by side like on separate devices; None: "
+        "unpinned. Ray's num_cpus only schedules, it does not pin"))
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _cpus(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(cpu < 0 for cpu in value)):
+            raise ValueError("cpu_affinity must list at least one CPU id, each >= 0 (or be null)")
+        return value
 
 
 class VerifierConfig(Strict):
@@ -208,6 +222,10 @@ class EngineConfig(Strict):
             raise ValueError(f"SSM names must be unique, got {names}")
         self._threads_fit_requests()
         self._offload_fits()
+        if self.speculation.prefetch and self.server.batching.enabled:
+            raise ValueError("speculation.prefetch with server.batching.enabled: prefetch drafts ahead in the "
+                             "SSM actors beside the verifier, which continuous batching does not support yet; "
+                             "set one of them off")
         return self
 
     def _offload_fits(self) -> None:

@@ -79,7 +79,7 @@ def test_record_counts_a_request_from_its_stats():
 
     stats = GenerationStats(mode="tree", target_steps=5, new_tokens=12, draft_tokens=30,
                             accepted_per_proposer={"ssm-a": 5, "suffix": 2}, accepted_per_depth=[4, 3, 0],
-                            tree_sizes=[12, 0, 10, 8])
+                            tree_sizes=[12, 0, 10, 8], prefetch_hits=3, prefetch_misses=1, prefetch_saved_ms=250.0)
     now = [10.0]
     observation = RequestObservation("grpc", clock=lambda: now[0])
     metrics = fake_metrics()
@@ -102,6 +102,8 @@ def test_record_counts_a_request_from_its_stats():
     assert m["specinfer:generation_tokens"].total() == 12
     assert m["specinfer:tokens_per_step"].calls == [(2.4, {})]
     assert m["specinfer:spec_decode_tree_nodes"].calls == [(12, {}), (0, {}), (10, {}), (8, {})]
+    assert m["specinfer:spec_decode_prefetch"].calls == [(3, {"result": "hit"}), (1, {"result": "miss"})]
+    assert m["specinfer:spec_decode_prefetch_saved_seconds"].calls == [(0.25, {})]
     assert m["specinfer:e2e_request_latency_seconds"].calls == [(2.0, {})]
     assert m["specinfer:time_to_first_token_seconds"].calls == [(0.5, {})]
     assert m["specinfer:output_tokens_per_second"].calls == [(6.0, {})]

@@ -72,6 +72,7 @@ UNSUPPORTED = [
     ("completions", {"speculation": {"expansion": [2, "x"]}}, "speculation.expansion"),
     ("completions", {"speculation": {"adaptive": "no"}}, "speculation.adaptive"),
     ("completions", {"speculation": {"adaptive": 0}}, "speculation.adaptive"),
+    ("completions", {"speculation": {"prefetch": "2"}}, "speculation.prefetch"),
     ("chat", {"n": 2}, "n"), ("chat", {"logprobs": True}, "logprobs"), ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
@@ -92,24 +93,51 @@ def test_unsupported_and_bad_parameters_are_400(api, fields, param):
     assert error["param"] == param and error["message"].startswith(f"{param}: ") and error["code"]
 
 
-ADAPTIVE = [  # (the HTTP speculation extra, SpeculationOptions.adaptive the server uses)
-    ({}, True),  # unset: the server's default
-    ({"adaptive": None}, True),
-    ({"adaptive": True}, True),
-    ({"adaptive": False}, False),
-    ({"mode": "tree", "adaptive": False}, False),
+ADAPTIVE = [  # (the HTTP speculation extra, the server's default, SpeculationOptions.adaptive the server uses)
+    ({}, True, True),  # unset: the server's default, whichever it is
+    ({}, False, False),
+    ({"adaptive": None}, False, False),
+    ({"adaptive": True}, False, True),
+    ({"adaptive": False}, True, False),
+    ({"mode": "tree", "adaptive": False}, True, False),
 ]
 
 
-@pytest.mark.parametrize("extra,adaptive", ADAPTIVE)
-def test_adaptive_reaches_the_speculation_options(extra, adaptive):
+@pytest.mark.parametrize("extra,default,adaptive", ADAPTIVE)
+def test_adaptive_reaches_the_speculation_options(extra, default, adaptive):
     from cluster.serve_requests import ModelLimits, speculation_options
     from engine.requests import SpeculationOptions
 
     request = completion_call({"prompt": "hi", "speculation": extra}, MODEL).request
     limits = ModelLimits(("ssm-a", "suffix"), (True, False), None)
-    assert speculation_options(request, SpeculationOptions(), limits).adaptive is adaptive
+    assert speculation_options(request, SpeculationOptions(adaptive=default), limits).adaptive is adaptive
     assert build_request("hi", adaptive=False).speculation.adaptive is False  # the gRPC client's spelling
+
+
+PREFETCH = [  # (the HTTP speculation extra, the server's default, whether the server can prefetch, result)
+    ({}, 2, True, 2),  # unset: the server's default
+    ({"prefetch": 0}, 2, True, 0),
+    ({"prefetch": 3}, 0, True, 3),
+    ({"prefetch": 9}, 0, True, "speculation.prefetch: must be in [0, 8], got 9"),
+    ({"prefetch": -1}, 0, True, "speculation.prefetch: must be in [0, 8], got -1"),
+    ({"prefetch": 1}, 0, False, "speculation.prefetch: needs SSMs drafting beside the verifier"),
+    ({"prefetch": 0}, 0, False, 0),  # off is always fine
+]
+
+
+@pytest.mark.parametrize("extra,default,can,expected", PREFETCH)
+def test_prefetch_reaches_the_speculation_options_within_its_bound(extra, default, can, expected):
+    from cluster.serve_requests import ModelLimits, speculation_options
+    from engine.requests import SpeculationOptions
+
+    request = completion_call({"prompt": "hi", "speculation": extra}, MODEL).request
+    limits = ModelLimits(("ssm-a", "suffix"), (True, False), None, prefetch=can)
+    if isinstance(expected, int):
+        assert speculation_options(request, SpeculationOptions(prefetch=default), limits).prefetch == expected
+        return
+    with pytest.raises(InvalidArgument) as caught:
+        speculation_options(request, SpeculationOptions(prefetch=default), limits)
+    assert str(caught.value).startswith(expected)
 
 
 def test_unknown_model_is_404_and_field_names_are_openai_names():

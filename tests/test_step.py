@@ -48,7 +48,7 @@ def test_admission_never_under_reserves(drafters, schedule, max_nodes, mode, chi
     sampling = SamplingParams(temperature=temperature, seed=3)
     plan = plan_proposers(NAMES, NEURAL, options, sampling)
     states = [drafters[a.proposer].new_state() for a in plan]
-    drafts = [draft_with(drafters[a.proposer], state, PROMPT, a.spec, a.generator()) for a, state in zip(plan, states)]
+    drafts = [draft_with(drafters[a.proposer], state, PROMPT, a.spec, a.generator(len(PROMPT))) for a, state in zip(plan, states)]
     for a, state in zip(plan, states):
         drafters[a.proposer].release(state)
     for assignment, drafted in zip(plan, drafts):
@@ -85,8 +85,9 @@ def test_plan_is_in_proposer_order_with_one_stream_each(mode, proposers, expecte
     options = SpeculationOptions(mode, (2, 2, 1), sequence_depth=3, proposers=proposers)
     plan = plan_proposers(NAMES, NEURAL, options, SamplingParams(temperature=1.0, seed=11))
     assert [(a.proposer, a.spec.schedule) for a in plan] == expected
-    for a in plan:  # stream i + 1 for proposer i, the target has stream 0
-        assert torch.equal(a.generator().get_state(), make_generator(11, a.proposer + 1).get_state())
+    for a in plan:  # stream i + 1 for proposer i, the target has stream 0; a draft's generator follows the length
+        assert torch.equal(a.generator(7).get_state(), make_generator(11, a.proposer + 1, 7).get_state())
+        assert not torch.equal(a.generator(7).get_state(), a.generator(8).get_state())
 
 
 def test_step_outcome_carries_what_statistics_need():

@@ -1,0 +1,376 @@
+"""Asynchronous SSM prefetch (engine.prefetch, actors.ssm): trees drafted ahead during verification.
+
+Without Ray: the pure guesses, the generator derivation, and that a tree drafted ahead is the tree
+the normal path drafts (same proposal, same KV entries, same shape history) while the state
+otherwise stays as it was. Served (``ray``): fp32 greedy output equals the target's own with
+prefetch on, hits happen where the SSM is the target itself, a seeded sampled request gives the
+same tokens with prefetch on and off, and bad values are INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import grpc
+import pytest
+import torch
+
+from engine import kv
+from engine.draft import DraftSpec, ModelDrafter
+from engine.prefetch import PrefetchJob, best_path, install, path_guesses, prefetch
+from engine.sampling import SamplingParams, make_generator, stream_seed
+from engine.shape import TreeCost
+from engine.step import Assignment
+from engine.tree import TokenTree
+from serving_fixtures import (local_engine, ray_session, serving, tiny_args,  # noqa: F401  (fixtures)
+                              tiny_models)
+from tiny_models import tiny_model
+
+SLOW_FLAT = TreeCost(((1, 1e6), (64, 1e6)))  # so slow a pass that no machine pause changes a size decision
+
+
+def tree(parents: list[int], tokens: list[int] | None = None) -> TokenTree:
+    tokens = tokens if tokens is not None else list(range(len(parents)))
+    return TokenTree(torch.tensor(tokens), torch.tensor(parents))
+
+
+# --- pure pieces ----------------------------------------------------------------------------
+
+BEST_PATHS = [  # (parents, the first-child path from the root)
+    ([-1], []),
+    ([-1, 0, 0, 1, 3, 1], [1, 3, 4]),  # the docstring's example
+    ([-1, 0, 1, 2], [1, 2, 3]),  # a chain
+    ([-1, 0, 0, 2], [1]),  # the first child is a leaf; its sibling's subtree is not followed
+]
+
+
+@pytest.mark.parametrize("parents,path", BEST_PATHS)
+def test_best_path_follows_first_children(parents, path):
+    assert best_path(tree(parents)) == path
+
+
+def logits_from(rows: list[dict[int, float]], vocab: int = 8) -> torch.Tensor:  # -> [G, V]
+    """Logits whose softmax puts the given probabilities on the given tokens (the rest shares what is left)."""
+    out = torch.empty(len(rows), vocab)
+    for i, row in enumerate(rows):
+        rest = (1.0 - sum(row.values())) / (vocab - len(row))
+        out[i] = torch.log(torch.tensor([row.get(t, rest) for t in range(vocab)]))
+    return out
+
+
+def test_path_guesses_worked_example():
+    """The docstring's example: path a=1, b=2 (b the child of a); after a: b 0.6, x=3 0.3; after b: y=4 0.6."""
+    t = tree([-1, 0, 1], [7, 1, 2])
+    logits = logits_from([{2: 0.6, 3: 0.3}, {4: 0.6}])
+    assert path_guesses([5, 7], t, [1, 2], logits, 3) == [(5, 7, 1, 2, 4), (5, 7, 1, 3)]
+    assert path_guesses([5, 7], t, [1, 2], logits, 1) == [(5, 7, 1, 2, 4)]
+
+
+def test_the_whole_path_comes_first_however_unlikely_and_cuts_follow_by_score():
+    """Path a->b->c; cuts after a (score 0.5) and after b (0.1 * 0.9): the whole path (score 0.1 * 0.1 *
+    0.2) is still first, then the cut after a, then the one after b."""
+    t = tree([-1, 0, 1, 2], [7, 1, 2, 3])
+    logits = logits_from([{2: 0.1, 5: 0.5}, {3: 0.1, 6: 0.9}, {4: 0.2}])
+    assert path_guesses([7], t, [1, 2, 3], logits, 3) == [(7, 1, 2, 3, 4), (7, 1, 5), (7, 1, 2, 6)]
+    assert path_guesses([7], t, [1, 2, 3], logits, 2) == [(7, 1, 2, 3, 4), (7, 1, 5)]
+
+
+def test_path_guesses_exclude_the_nodes_children():
+    """At a node with children b and c in the tree, the guess is the best token that is neither."""
+    t = tree([-1, 0, 1, 1], [7, 1, 2, 3])
+    logits = logits_from([{2: 0.4, 3: 0.35, 6: 0.2}])
+    assert path_guesses([7], t, [1], logits, 4) == [(7, 1, 6)]
+
+
+def test_stream_seeds_do_not_collide_where_the_old_formula_did():
+    """seed * 1_000_003 + stream made (1, 1_000_003) and (2, 0) one stream; positions are part of the key."""
+    assert stream_seed(1, 1_000_003, 0) != stream_seed(2, 0, 0)
+    seeds = {stream_seed(seed, stream, position) for seed in range(20) for stream in range(4) for position in range(20)}
+    assert len(seeds) == 20 * 4 * 20
+    assert torch.equal(make_generator(3, 1, 9).get_state(), make_generator(3, 1, 9).get_state())
+
+
+def test_a_job_stops_once_the_wanted_outcome_is_known():
+    job = PrefetchJob(base=2)
+    job.offer([(1, 2, 3), (1, 2, 4), (1, 5)])
+    assert job.next_guess() == (1, 2, 3)
+    job.want((1, 5))  # the verdict: the prefetch drafts that one next, then stops
+    assert job.next_guess() == (1, 5)
+    job.want((1, 9))  # an outcome nobody guessed: stop at once
+    assert job.next_guess() is None
+
+
+# --- settings -------------------------------------------------------------------------------
+
+
+def test_prefetch_with_batching_is_a_config_error(tiny_args):
+    from settings.config import EngineConfig
+
+    args = {**tiny_args, "speculation": {**tiny_args["speculation"], "prefetch": 2}}
+    with pytest.raises(ValueError, match="speculation.prefetch with server.batching.enabled"):
+        EngineConfig.model_validate(args)
+    unbatched = {**args, "server": {**args["server"], "batching": {"enabled": False}}}
+    assert EngineConfig.model_validate(unbatched).speculation.prefetch == 2
+    with pytest.raises(ValueError, match="less than or equal to 8"):
+        EngineConfig.model_validate({**unbatched, "speculation": {"prefetch": 9}})
+
+
+@pytest.mark.parametrize("cpus,error", [([], "at least one CPU"), ([-1], "at least one CPU"), ([0], None),
+                                        (None, None)])
+def test_cpu_affinity_is_checked(cpus, error):
+    from settings.config import ActorOptions
+
+    if error is None:
+        assert ActorOptions(cpu_affinity=cpus).cpu_affinity == cpus
+    else:
+        with pytest.raises(ValueError, match=error):
+            ActorOptions(cpu_affinity=cpus)
+
+
+def test_pinning_to_a_cpu_this_process_lacks_is_a_clear_error():
+    import os
+
+    from actors.common import pin_process
+
+    before = os.sched_getaffinity(0)
+    with pytest.raises(ValueError, match=r"cpu_affinity \[100000\]: this machine has CPUs 0\.\."):
+        pin_process([100000])
+    assert os.sched_getaffinity(0) == before
+
+
+def test_pinning_reaches_threads_that_already_run():
+    """Linux affinity is per thread: a thread started before the pin is pinned too (Ray's do)."""
+    import os
+    import threading
+
+    from actors.common import pin_process
+
+    before, release = sorted(os.sched_getaffinity(0)), threading.Event()
+    thread = threading.Thread(target=release.wait)
+    thread.start()
+    try:
+        pin_process(before[:1])
+        assert os.sched_getaffinity(thread.native_id) == set(before[:1]) == os.sched_getaffinity(0)
+    finally:
+        pin_process(before)
+        release.set()
+        thread.join()
+    assert os.sched_getaffinity(0) == set(before)
+
+
+# --- a tree drafted ahead is the normal path's tree ---------------------------------------
+
+SPECS = [  # (name, spec): deterministic and drawn children, a dynamic tree, a cost-aware shape
+    ("top_k", DraftSpec((2, 2, 1))),
+    ("sampled", DraftSpec((2, 1, 1), "sampled", SamplingParams(temperature=0.8, seed=5))),
+    ("without_replacement", DraftSpec((3, 1), "sampled_without_replacement", SamplingParams(temperature=1.2, seed=6))),
+    ("confidence", DraftSpec((2, 2, 2), min_confidence=0.05)),
+    ("cost_aware", DraftSpec((2, 1), cost=SLOW_FLAT, max_nodes=16)),
+]
+
+
+@pytest.fixture(scope="module")
+def ssm():
+    return tiny_model("llama", vocab_size=61, layers=2, seed=3, hidden=32)
+
+
+def cache_state(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+def same_cache(a, b) -> bool:
+    return all(torch.equal(ka, kb) and torch.equal(va, vb) for (ka, va), (kb, vb) in zip(a, b))
+
+
+def same_proposal(a, b) -> bool:
+    same_q = (a.draws.q is None and b.draws.q is None) or torch.equal(a.draws.q, b.draws.q)
+    return (torch.equal(a.tree.tokens, b.tree.tokens) and torch.equal(a.tree.parents, b.tree.parents)
+            and torch.equal(a.draws.node, b.draws.node) and same_q)
+
+
+@pytest.mark.parametrize("name,spec", SPECS, ids=[name for name, _ in SPECS])
+def test_a_prepared_tree_is_the_tree_drafted_after_the_verdict(ssm, name, spec):
+    """For every guessed outcome: the prepared proposal equals the one a second drafter makes from
+    the same history at that outcome; installing it leaves the same KV entries and shape history.
+    Meanwhile the state is as before: cache entries and history untouched."""
+    assignment, committed = Assignment(0, spec), [4, 9, 17, 3, 22]
+    ahead = ModelDrafter(ssm, 0, "ahead")
+    state = ahead.new_state()
+    for step in (committed[:3], committed):  # two drafts, so a cost-aware history has scored a tree
+        drafted = ahead.draft(state, step, spec, assignment.generator(len(step)))
+    before, history = cache_state(state), copy.deepcopy(ahead.shape_of(state))
+    job = PrefetchJob(len(committed))
+    prefetch(ahead, state, committed, drafted.tree, spec, assignment.generator, 3, job)
+    assert same_cache(cache_state(state), before) and kv.cache_length(state) == len(committed)
+    assert ahead.shape_of(state) == history
+    assert job.guesses, "no outcome guessed"
+    for index, outcome in enumerate(job.guesses):
+        assert outcome[:len(committed)] == tuple(committed) and len(outcome) > len(committed) + 1
+        normal = ModelDrafter(ssm, 0, "normal")
+        reference = normal.new_state()
+        for step in (committed[:3], committed, list(outcome)):
+            expected = normal.draft(reference, step, spec, assignment.generator(len(step)))
+        prepared = job.take(outcome)
+        assert same_proposal(prepared.proposal, expected), f"outcome {index} of {name}"
+        assert prepared.history == normal.shape_of(reference)
+        if index == 0:  # install the first: the state is the normal path's
+            install(ahead, state, job, prepared)
+            assert same_cache(cache_state(state), cache_state(reference))
+            assert ahead.shape_of(state) == normal.shape_of(reference)
+
+
+def test_a_released_drafter_state_drops_a_prefetched_history(ssm):
+    spec = SPECS[-1][1]
+    drafter = ModelDrafter(ssm, 0, "ssm")
+    state, committed = drafter.new_state(), [4, 9, 17]
+    drafted = drafter.draft(state, committed, spec, make_generator(0, 1, 3))
+    prefetch(drafter, state, committed, drafted.tree, spec, Assignment(0, spec).generator, 2, PrefetchJob(3))
+    drafter.release(state)
+    assert drafter.shape_of(state) is None
+
+
+# --- served ------------------------------------------------------------------------------
+
+APP = "specinfer-prefetch"
+PROMPTS = ["def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)", "Hello wörld, speculative decoding!"]
+
+
+@pytest.fixture(scope="module")
+def prefetch_app(serving, tiny_args, tiny_models):  # noqa: F811
+    """(gRPC address, Serve handle) of an app without batching that prefetches 2 outcomes per SSM:
+    SSM "self" is the target itself (its best path is the target's, so its guesses hit), "ssm-a" an
+    independent tiny model (its guesses mostly miss). No suffix proposer: the accepted path is never
+    longer than the SSMs' trees."""
+    from ray import serve
+
+    from cluster.serve_app import app_builder
+    from cluster.serve_client import Client
+
+    args = copy.deepcopy(tiny_args)
+    args["ssms"] = [{"name": "self", "source": str(tiny_models["target"])},
+                    {"name": "ssm-a", "source": str(tiny_models["ssm-a"])}]
+    args["suffix"] = None
+    args["speculation"] = {**args["speculation"], "prefetch": 2}
+    args["server"] = {**args["server"], "batching": {"enabled": False}}
+    serve.run(app_builder(args), name=APP, route_prefix="/prefetch", blocking=False)
+    with Client(serving, APP) as client:
+        client.wait_ready(300)
+    yield serving, serve.get_app_handle(APP)
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def target_model(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_models["target"], dtype=torch.float32).eval()
+
+
+def held(handle) -> dict[str, int]:
+    import ray
+
+    actors = handle.actors.remote().result()
+    return {"ingress": handle.num_active.remote().result(),
+            **dict(zip(actors, ray.get([a.num_requests.remote() for a in actors.values()])))}
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("ssms", [("self", "ssm-a"), ("ssm-a",)])
+def test_served_greedy_with_prefetch_is_the_targets_own_output(prefetch_app, local_engine, target_model, ssms):
+    """fp32: tokens equal the target's ``generate``; with the target as SSM the guesses hit."""
+    from cluster.serve_client import Client, build_request
+    from serving_fixtures import wait_until
+    address, handle = prefetch_app
+    hits = misses = steps = 0
+    with Client(address, APP) as client:
+        for prompt in PROMPTS:
+            ids = local_engine.tokenizer.encode(prompt)
+            response = client.generate(build_request(prompt, max_new_tokens=32, ssms=ssms), timeout=300)
+            reference = target_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32)[0, len(ids):]
+            assert list(response.token_ids) == reference.tolist()
+            hits, misses = hits + response.stats.prefetch_hits, misses + response.stats.prefetch_misses
+            steps += response.stats.target_steps - 1
+    assert hits + misses <= len(ssms) * steps and hits + misses >= steps - len(PROMPTS)  # every step after the first
+    if "self" in ssms:
+        assert hits >= steps - len(PROMPTS), (hits, misses, steps)  # the target's own guesses: every one hits
+    assert wait_until(lambda: not any(held(handle).values()), timeout_s=60), held(handle)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("children", ["top_k", "sampled"])
+def test_a_seeded_sampled_request_gives_the_same_tokens_with_prefetch_on_and_off(prefetch_app, children):
+    """Each draft's generator comes from (seed, proposer, committed length): a tree drafted ahead
+    draws what the tree drafted after the verdict draws, so the tokens cannot depend on prefetch."""
+    from cluster.serve_client import Client, build_request
+
+    address, _ = prefetch_app
+    outputs, stats = {}, {}
+    with Client(address, APP) as client:
+        for prefetch_count in (0, 3, 0):
+            request = build_request(PROMPTS[0], max_new_tokens=40, temperature=0.9, seed=7, adaptive=False,
+                                    children=children, prefetch=prefetch_count)
+            response = client.generate(request, timeout=300)
+            outputs.setdefault(prefetch_count, []).append(list(response.token_ids))
+            stats[prefetch_count] = response.stats
+    assert outputs[0][0] == outputs[0][1] == outputs[3][0]
+    assert stats[0].prefetch_hits == stats[0].prefetch_misses == 0
+    assert stats[3].prefetch_hits + stats[3].prefetch_misses > 0
+
+
+@pytest.mark.ray
+def test_bad_prefetch_values_are_invalid_argument(prefetch_app, serving):
+    from cluster.serve_client import Client, build_request
+
+    address, _ = prefetch_app
+    with Client(address, APP) as client:
+        with pytest.raises(grpc.RpcError) as error:
+            client.generate(build_request(PROMPTS[0], max_new_tokens=4, prefetch=9), timeout=60)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "speculation.prefetch" in error.value.details() and "[0, 8]" in error.value.details()
+    with Client(serving) as client:  # the shared app batches: no prefetch there
+        with pytest.raises(grpc.RpcError) as error:
+            client.generate(build_request(PROMPTS[0], max_new_tokens=4, prefetch=1), timeout=60)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "speculation.prefetch" in error.value.details() and "batching" in error.value.details()
+
+
+@pytest.mark.ray
+def test_the_prefetch_bench_runs_its_methods_interleaved_against_a_server(prefetch_app, tmp_path):
+    """bench/prefetch.py's client side on the tiny app: rows per prompt and method, in turn; the
+    summary, table and plot; unpinned actors may use every CPU."""
+    import os
+
+    from bench.prefetch import affinities, markdown, outputs_equal, plot, run, summarize
+    from bench.workloads import EncodedPrompt, Prompt
+
+    address, _ = prefetch_app
+    prompts = [EncodedPrompt(Prompt(f"p{i}", text), ()) for i, text in enumerate(PROMPTS)]
+    rows = run(address, prompts, ["pinned-off", "pinned-on"], 12, 2, 4, app=APP)
+    assert [(r.prompt_id, r.method) for r in rows] == [("p0", "pinned-off"), ("p0", "pinned-on"),
+                                                      ("p1", "pinned-off"), ("p1", "pinned-on")]
+    assert all(r.hits + r.misses == 0 for r in rows if r.method == "pinned-off")
+    assert sum(r.hits for r in rows if r.method == "pinned-on") > 0  # SSM "self" guesses the target's path
+    summary = summarize(rows)
+    assert summary["pinned-off"]["speedup_vs_pinned_off"] == 1.0 and summary["pinned-on"]["hit_rate"] > 0
+    assert outputs_equal(rows) == {"pinned-off": "2/2", "pinned-on": "2/2"}  # fp32 greedy
+    placements = affinities(APP)
+    assert placements["verifier"] == sorted(os.sched_getaffinity(0)) and set(placements) >= {"ssm/self", "merge"}
+    table = markdown({"started": "now", "setup": "tiny", "summary": summary, "placements": {"unpinned": placements},
+                      "outputs_equal_pinned_off": outputs_equal(rows)})
+    assert table.count("\n| pinned-") == 2
+    plot(summary, tmp_path / "prefetch.png")
+    assert (tmp_path / "prefetch.png").stat().st_size > 0
+
+
+def test_a_pinned_placement_pins_the_ssm_and_the_verifier_only():
+    from bench.prefetch import placed_args
+    from settings.config import EngineConfig
+
+    app = {"target": {"name": "t", "source": "t"}, "ssms": [{"name": "s", "source": "s"}],
+           "server": {"ssm_actor": {"num_cpus": 0.5}}, "speculation": {"mode": "tree"}}
+    pinned = EngineConfig.model_validate(placed_args(app, True, (1, 0), 2, "float32"))
+    assert pinned.server.ssm_actor.cpu_affinity == [1] and pinned.verifier.actor.cpu_affinity == [0]
+    assert pinned.server.merge_actor.cpu_affinity is None and pinned.server.ssm_actor.torch_threads == 1
+    assert pinned.speculation.prefetch == 2 and not pinned.server.batching.enabled and pinned.dtype == "float32"
+    unpinned = EngineConfig.model_validate(placed_args(app, False, (1, 0), 2, None))
+    assert unpinned.server.ssm_actor.cpu_affinity is None and unpinned.verifier.actor.cpu_affinity is None
