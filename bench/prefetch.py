@@ -76,13 +76,16 @@ def affinities(app: str) -> dict[str, list[int]]:
 
 
 def placed_args(app: dict, pinned: bool, cpus: tuple[int, int], prefetch: int, dtype: str | None) -> dict:
-    """The engine args of one placement: batching off, prefetch on by default, pinned or not."""
+    """The engine args of one placement: batching off, prefetch on by default, the suffix proposer
+    without its global store, pinned or not."""
     server = {**app.get("server", {}), "batching": {"enabled": False}}
     verifier = dict(app.get("verifier", {}))
     if pinned:
         server["ssm_actor"] = {**server.get("ssm_actor", {}), "cpu_affinity": [cpus[0]], "torch_threads": 1}
         verifier["actor"] = {**verifier.get("actor", {}), "cpu_affinity": [cpus[1]], "torch_threads": 1}
-    return {**app, **({"dtype": dtype} if dtype else {}), "server": server, "verifier": verifier,
+    suffix = app.get("suffix", {})  # no global store: a prompt's second method would be handed the first's answer
+    suffix = None if suffix is None else {**suffix, "max_cached_requests": 0}
+    return {**app, **({"dtype": dtype} if dtype else {}), "server": server, "verifier": verifier, "suffix": suffix,
             "speculation": {**app.get("speculation", {}), "prefetch": prefetch}}
 
 
@@ -96,8 +99,9 @@ def row(prompt_id: str, method: str, stats: dict, token_ids, latency_ms: float) 
 
 
 def run(address: str, prompts, methods, max_new_tokens: int, prefetch: int, warmup_tokens: int,
-        app: str = APP_NAME) -> list[Row]:
-    """Every prompt x method through gRPC (interleaved); ``-on`` methods ask for ``prefetch``."""
+        app: str = APP_NAME, log: Path | None = None) -> list[Row]:
+    """Every prompt x method through gRPC (interleaved); ``-on`` methods ask for ``prefetch``. Each
+    row is appended to ``log`` (JSON lines) as it comes, so a cut-short run keeps what it measured."""
     from cluster.serve_client import Client, build_request, response_dict
 
     rows, client = [], Client(address, app)
@@ -117,6 +121,9 @@ def run(address: str, prompts, methods, max_new_tokens: int, prefetch: int, warm
         for method in methods:
             data, latency_ms = generate(prompt, method, max_new_tokens)
             rows.append(row(prompt.id, method, data["stats"], data["token_ids"], latency_ms))
+            if log is not None:
+                with log.open("a") as handle:
+                    handle.write(json.dumps(asdict(rows[-1])) + "\n")
             r = rows[-1]
             logger.info("%s %s: %d tokens, %.0f ms/step (draft %.0f, verify %.0f), %.2f tok/s, hits %d misses %d",
                         r.prompt_id, method, r.new_tokens, r.step_ms, r.draft_ms, r.verify_ms, r.tokens_per_s,
@@ -140,14 +147,18 @@ def summarize(rows: list[Row]) -> dict[str, dict]:
             "draft_ms_per_step": sum(r.draft_ms * (r.target_steps - 1) for r in mine) / steps,
             "verify_ms_per_step": sum(r.verify_ms * (r.target_steps - 1) for r in mine) / steps,
             "tokens_per_step": sum(r.new_tokens for r in mine) / sum(r.target_steps for r in mine),
+            # after the prefill (which prefetch does not touch): tokens of the verify steps / their time
+            "decode_tokens_per_s": sum(r.new_tokens - 1 for r in mine) / sum(r.step_ms * (r.target_steps - 1)
+                                                                             for r in mine) * 1e3,
             "tree_nodes": sum(r.tree_nodes for r in mine) / len(mine),
             "prefetch_hits": hits, "prefetch_misses": misses,
             "hit_rate": hits / (hits + misses) if hits + misses else None,
             "saved_ms_per_step": sum(r.saved_ms for r in mine) / steps,
         }
-    base = out.get("pinned-off", {}).get("tokens_per_s")
-    for values in out.values():
-        values["speedup_vs_pinned_off"] = values["tokens_per_s"] / base if base else None
+    for key in ("tokens_per_s", "decode_tokens_per_s"):
+        base = out.get("pinned-off", {}).get(key)
+        for values in out.values():
+            values[f"{key}_vs_pinned_off"] = values[key] / base if base else None
     return out
 
 
@@ -161,10 +172,12 @@ def outputs_equal(rows: list[Row]) -> dict[str, str]:
 
 def markdown(result: dict) -> str:
     lines = [f"# Prefetch benchmark ({result['started']})", "", result["setup"], "",
-             "| method | tokens/s | vs pinned-off | step ms | draft ms/step | verify ms/step | tokens/step "
-             "| tree nodes | hit rate | saved ms/step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| method | tokens/s | vs pinned-off | decode tokens/s | vs pinned-off | step ms | draft ms/step "
+             "| verify ms/step | tokens/step | tree nodes | hit rate | saved ms/step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for method, v in result["summary"].items():
-        lines.append(f"| {method} | {v['tokens_per_s']:.2f} | {optional(v['speedup_vs_pinned_off'])} | {v['step_ms']:.0f} | "
+        lines.append(f"| {method} | {v['tokens_per_s']:.2f} | {optional(v['tokens_per_s_vs_pinned_off'])} | "
+                     f"{v['decode_tokens_per_s']:.2f} | {optional(v['decode_tokens_per_s_vs_pinned_off'])} | {v['step_ms']:.0f} | "
                      f"{v['draft_ms_per_step']:.0f} | {v['verify_ms_per_step']:.0f} | {v['tokens_per_step']:.2f} | "
                      f"{v['tree_nodes']:.1f} | {optional(v['hit_rate'])} | {v['saved_ms_per_step']:.0f} |")
     lines += ["", f"Greedy outputs equal to pinned-off's: {result['outputs_equal_pinned_off']}",
@@ -180,9 +193,23 @@ def plot(summary: dict, path: Path) -> None:
                          "waiting for drafts": [summary[m]["draft_ms_per_step"] for m in methods]})])
 
 
+def write(out: Path, result: dict) -> None:
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "results.md").write_text(markdown(result))
+    plot(result["summary"], out / "prefetch.png")
+    print(markdown(result))
+
+
+def resummarize(out: Path) -> int:
+    result = json.loads((out / "results.json").read_text())
+    rows = [Row(**{**r, "token_ids": tuple(r["token_ids"])}) for r in result["rows"]]
+    write(out, {**result, "summary": summarize(rows), "outputs_equal_pinned_off": outputs_equal(rows)})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="configs/serve.yaml")
+    parser.add_argument("--config", default="configs/serve.yaml", help="a Serve config or an engine config")
     parser.add_argument("--dtype", default=None, help="override the config's dtype")
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -192,20 +219,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verifier-cpu", type=int, default=0)
     parser.add_argument("--warmup-tokens", type=int, default=8)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--resummarize", action="store_true",
+                        help="only recompute OUT's summary, table and plot from its results.json rows")
     args = parser.parse_args(argv)
+    if args.resummarize:
+        return resummarize(args.out)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from actors.loading import model_spec
     from bench.local_app import start_app
     from bench.workloads import load_workload
     from cluster.cli_serve import stop_serving
     from engine.models import load_header
-    from settings.config import load_config
+    from settings.config import engine_section, load_config, read_yaml
 
     config = load_config(args.config, dtype=args.dtype)
     prompts = load_workload("humaneval", load_header(model_spec(config, config.target)).tokenizer, args.num_prompts)
 
+    data = read_yaml(args.config)  # a Serve config, or an engine config served by configs/serve.yaml's proxies
+    serve_yaml = args.config if "applications" in data else str(Path(__file__).resolve().parent.parent / "configs" / "serve.yaml")
+    base = engine_section(data, args.config)
     methods = args.methods.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "rows.jsonl").unlink(missing_ok=True)
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     rows, placements = [], {}
     for placement in ("pinned", "unpinned"):
@@ -213,28 +248,27 @@ def main(argv: list[str] | None = None) -> int:
         if not mine:
             continue
         cpus = (args.ssm_cpu, args.verifier_cpu)
-        address = start_app(args.config, lambda app: placed_args(app, placement == "pinned", cpus, args.prefetch,
-                                                                 args.dtype), ready_timeout_s=1800)
+        address = start_app(serve_yaml, lambda _: placed_args(base, placement == "pinned", cpus, args.prefetch,
+                                                              args.dtype), ready_timeout_s=1800)
         try:
             placements[placement] = affinities(APP_NAME)
             logger.info("%s: CPUs per actor %s", placement, placements[placement])
-            rows += run(address, prompts, mine, args.max_new_tokens, args.prefetch, args.warmup_tokens)
+            rows += run(address, prompts, mine, args.max_new_tokens, args.prefetch, args.warmup_tokens,
+                        log=args.out / "rows.jsonl")
         finally:
             stop_serving()
     result = {
         "started": started, "config": args.config, "prefetch": args.prefetch,
         "setup": (f"{config.target.name} target, {', '.join(s.name for s in config.ssms)} SSM(s), {config.dtype}, "
                   f"greedy; HumanEval {len(prompts)} prompts x {args.max_new_tokens} tokens, served (gRPC), "
-                  f"batching off, prefetch {args.prefetch} outcomes per SSM for the -on methods; pinned: SSM on CPU "
+                  f"batching off, suffix global store off, prefetch {args.prefetch} outcomes per SSM for the -on "
+                  f"methods; pinned: SSM on CPU "
                   f"{args.ssm_cpu}, verifier on CPU {args.verifier_cpu}, 1 torch thread each (ingress, merge actor "
                   f"and Ray float); {os.cpu_count()} CPUs, {platform.machine()}"),
         "summary": summarize(rows), "outputs_equal_pinned_off": outputs_equal(rows), "placements": placements,
         "rows": [asdict(r) for r in rows],
     }
-    (args.out / "results.json").write_text(json.dumps(result, indent=1))
-    (args.out / "results.md").write_text(markdown(result))
-    plot(result["summary"], args.out / "prefetch.png")
-    print(markdown(result))
+    write(args.out, result)
     return 0
 
 

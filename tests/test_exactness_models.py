@@ -55,8 +55,10 @@ def test_smollm2_cost_aware_with_itself(smol_self):
     """The engine built from a config measured its verify-cost curve; cost-aware shapes with the
     target as its own SSM: the target's greedy output, and deep trees where passes cost the same."""
     engine = smol_self
-    assert engine.cost is not None and engine.cost.verify_ms[0][0] == 1
+    assert engine.cost is not None
     measured = engine.cost
+    sizes = [size for size, _ in measured.verify_ms]
+    assert len(sizes) > 1 and sizes == sorted(set(sizes)) and all(ms > 0 for _, ms in measured.verify_ms)
     # The sizes follow the measured curve and timings; a flat, slow pass makes deep trees certain.
     engine.cost = TreeCost(((1, 1e6), (64, 1e6)), measured.beam, measured.branch, measured.max_depth)
     prompt = engine.tokenizer.encode(SMOL_PROMPT)

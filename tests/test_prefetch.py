@@ -351,7 +351,8 @@ def test_the_prefetch_bench_runs_its_methods_interleaved_against_a_server(prefet
     assert all(r.hits + r.misses == 0 for r in rows if r.method == "pinned-off")
     assert sum(r.hits for r in rows if r.method == "pinned-on") > 0  # SSM "self" guesses the target's path
     summary = summarize(rows)
-    assert summary["pinned-off"]["speedup_vs_pinned_off"] == 1.0 and summary["pinned-on"]["hit_rate"] > 0
+    assert summary["pinned-off"]["tokens_per_s_vs_pinned_off"] == 1.0 and summary["pinned-on"]["hit_rate"] > 0
+    assert summary["pinned-on"]["decode_tokens_per_s_vs_pinned_off"] > 0
     assert outputs_equal(rows) == {"pinned-off": "2/2", "pinned-on": "2/2"}  # fp32 greedy
     placements = affinities(APP)
     assert placements["verifier"] == sorted(os.sched_getaffinity(0)) and set(placements) >= {"ssm/self", "merge"}
@@ -372,5 +373,6 @@ def test_a_pinned_placement_pins_the_ssm_and_the_verifier_only():
     assert pinned.server.ssm_actor.cpu_affinity == [1] and pinned.verifier.actor.cpu_affinity == [0]
     assert pinned.server.merge_actor.cpu_affinity is None and pinned.server.ssm_actor.torch_threads == 1
     assert pinned.speculation.prefetch == 2 and not pinned.server.batching.enabled and pinned.dtype == "float32"
+    assert pinned.suffix.max_cached_requests == 0  # a prompt's second method is not handed the first's answer
     unpinned = EngineConfig.model_validate(placed_args(app, False, (1, 0), 2, None))
     assert unpinned.server.ssm_actor.cpu_affinity is None and unpinned.verifier.actor.cpu_affinity is None

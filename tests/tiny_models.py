@@ -28,7 +28,9 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | N
     """The target's own greedy decoding with a plain generation config (no penalties)."""
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
                               pad_token_id=eos if eos is not None else 0)
-    out = model.generate(torch.tensor([prompt]), generation_config=config)
+    ids = torch.tensor([prompt])
+    # An explicit mask: generate would otherwise take every prompt token equal to pad_token_id as padding.
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt):].tolist()
 
 
