@@ -41,7 +41,6 @@ class DraftState:
     committed: list[int] = field(default_factory=list)  # every committed token, root last
     guard: Guard = field(default_factory=Guard)
     prefetch: PrefetchJob | None = None  # drafting ahead for the step being verified
-    prefetch_spec: object = None  # the DraftSpec it drafts with
 
 
 @dataclass(frozen=True)
@@ -99,44 +98,43 @@ class SSMActor(HoldsRequests):
                 return None
             sync_history(state.committed, start, new_tokens)
             start_s = time.time()
-            drafted = self._prepared(state, assignment) or draft_with(
-                self.drafter, state.cache, state.committed, assignment.spec, assignment.generator(len(state.committed)))
-            drafted = replace(drafted, draft_ms=(time.perf_counter() - began) * 1e3)
+            drafted, prefetched = self._prepared(state, assignment)
+            if drafted is None:
+                drafted = draft_with(self.drafter, state.cache, state.committed, assignment.spec,
+                                     assignment.generator(len(state.committed)))
+            drafted = replace(drafted, draft_ms=(time.perf_counter() - began) * 1e3, prefetched=prefetched)
             if prefetch and not self.paged and drafted.proposal.tree.size > 1:
-                handed = self._start_prefetch(state, drafted, assignment, prefetch)
+                self._start_prefetch(state, drafted, assignment, prefetch)
+                handed = True
         finally:
             if not handed:
                 lock.release()
         self.timings.append(DraftTiming(request_id, start_s, time.time()))
         return drafted
 
-    def _prepared(self, state: DraftState, assignment: Assignment) -> Drafted | None:
-        """The tree drafted ahead for the committed tokens, installed (a hit); None to draft now.
-        A miss is counted in the drafted tree's figures by the caller's ``replace``."""
-        job, spec, state.prefetch = state.prefetch, state.prefetch_spec, None
+    def _prepared(self, state: DraftState, assignment: Assignment) -> tuple[Drafted | None, Prefetched]:
+        """The tree drafted ahead for the committed tokens, installed (a hit), or None (a miss, or no
+        prefetch ran: draft now; the cache is back at the committed tokens either way)."""
+        job, state.prefetch = state.prefetch, None
         if job is None:
-            return None
-        prepared = job.take(state.committed) if spec == assignment.spec else None
-        if prepared is None:  # drafted ahead for other outcomes (the cache is back at job.base)
-            return replace(draft_with(self.drafter, state.cache, state.committed, assignment.spec,
-                                      assignment.generator(len(state.committed))), prefetched=Prefetched(misses=1))
+            return None, Prefetched()
+        prepared = job.take(state.committed) if job.spec == assignment.spec else None
+        if prepared is None:
+            return None, Prefetched(misses=1)
         install(self.drafter, state.cache, job, prepared)
-        return Drafted(prepared.proposal, prefetched=Prefetched(hits=1, saved_ms=prepared.draft_ms))
+        return Drafted(prepared.proposal), Prefetched(hits=1, saved_ms=prepared.draft_ms)
 
-    def _start_prefetch(self, state: DraftState, drafted: Drafted, assignment: Assignment, count: int) -> bool:
+    def _start_prefetch(self, state: DraftState, drafted: Drafted, assignment: Assignment, count: int) -> None:
         """Hand the request's lock (held) to a prefetch on the pool: nothing else of this request runs
-        before it, and the next draft call waits for it. True once handed over."""
-        job = state.prefetch = PrefetchJob(len(state.committed))
-        state.prefetch_spec = assignment.spec
+        before it, and the next draft call waits for it."""
+        job = state.prefetch = PrefetchJob(len(state.committed), assignment.spec)
         self.ahead.submit(self._prefetch, state, job, list(state.committed), drafted, assignment, count)
-        return True
 
     def _prefetch(self, state: DraftState, job: PrefetchJob, committed: list[int], drafted: Drafted,
                   assignment: Assignment, count: int) -> None:
         """Runs on the prefetch pool with the request's lock, handed over by ``draft``; releases it."""
         try:
-            prefetch(self.drafter, state.cache, committed, drafted.proposal.tree, assignment.spec,
-                     assignment.generator, count, job)
+            prefetch(self.drafter, state.cache, committed, drafted.proposal.tree, assignment.generator, count, job)
         except Exception:  # the next draft call drafts as usual (the cache is back at the committed tokens)
             logger.exception("prefetch failed; drafting goes on without it")
         finally:

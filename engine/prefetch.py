@@ -24,8 +24,9 @@ from typing import Callable, Sequence
 import torch
 
 from . import kv
-from .draft import DraftSpec, ModelDrafter
-from .tree import TokenTree
+from .draft import DraftSpec, ModelDrafter, Proposal
+from .shape import ShapeHistory
+from .tree import TokenTree, children
 
 Committed = tuple[int, ...]
 
@@ -36,13 +37,11 @@ def best_path(tree: TokenTree) -> list[int]:
     Top-k children are drawn most likely first, so the first child is the SSM's argmax; for drawn
     children it is the first draw. Example: parents [-1, 0, 0, 1, 3, 1] -> [1, 3, 4].
     """
-    parents, path, node = tree.parents.tolist(), [], 0
-    while True:
-        child = next((i for i in range(node + 1, len(parents)) if parents[i] == node), None)
-        if child is None:
-            return path
-        path.append(child)
-        node = child
+    kids, path, node = children(tree.parents), [], 0
+    while kids[node]:
+        node = kids[node][0]
+        path.append(node)
+    return path
 
 
 def path_guesses(committed: Sequence[int], tree: TokenTree, path: Sequence[int], logits: torch.Tensor,  # [G, V]
@@ -57,12 +56,12 @@ def path_guesses(committed: Sequence[int], tree: TokenTree, path: Sequence[int],
     Example: path tokens (a, b), SSM after a: b 0.6, x 0.3; after b: y 0.6. Outcomes: (a, b, y)
     (the whole path, always first), then (a, x) (b is a child of a, so excluded).
     """
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    tokens, kids = tree.tokens.tolist(), children(tree.parents)
     probs = torch.softmax(logits.float(), dim=-1)  # [G, V]
     cuts, reach = [], 1.0
     for d, node in enumerate(path, start=1):
         row = probs[d - 1].clone()
-        row[[tokens[i] for i in range(node + 1, len(tokens)) if parents[i] == node]] = 0.0
+        row[[tokens[child] for child in kids[node]]] = 0.0
         guess = int(row.argmax())
         cuts.append((reach * float(row[guess]), -d, tuple(committed) + tuple(tokens[n] for n in path[:d]) + (guess,)))
         if d < len(path):
@@ -76,10 +75,10 @@ class Prepared:
     """A tree drafted ahead for one outcome, with what drafting it left in the SSM's state."""
 
     committed: Committed
-    proposal: object  # engine.draft.Proposal
+    proposal: Proposal
     draft_ms: float
     entries: tuple  # the KV entries past the step's committed length (kv.tail)
-    history: object  # the shape history after drafting (engine.shape.ShapeHistory) or None
+    history: ShapeHistory | None  # the shape history drafting left (None: not cost-aware)
 
 
 class PrefetchJob:
@@ -87,8 +86,9 @@ class PrefetchJob:
     draft call: the call names the outcome it needs (``want``), the prefetch stops after it (or at
     once when it is not among the guesses), and the call takes the prepared tree if there is one."""
 
-    def __init__(self, base: int):
+    def __init__(self, base: int, spec: DraftSpec):
         self.base = base  # the committed length the tree being verified was drafted at
+        self.spec = spec  # what it drafts with: a prepared tree serves only a draft call with this spec
         self._lock = threading.Lock()
         self._guesses: list[Committed] = []
         self._prepared: dict[Committed, Prepared] = {}
@@ -124,9 +124,10 @@ class PrefetchJob:
             return list(self._guesses)
 
 
-def prefetch(drafter: ModelDrafter, cache, committed: list[int], tree: TokenTree, spec: DraftSpec,
+def prefetch(drafter: ModelDrafter, cache, committed: list[int], tree: TokenTree,
              generator_at: Callable[[int], torch.Generator], count: int, job: PrefetchJob) -> None:
-    """Draft ahead for up to ``count`` outcomes of the tree just drafted (``tree``, at ``committed``).
+    """Draft ahead, with ``job.spec``, for up to ``count`` outcomes of the tree just drafted (``tree``,
+    at ``committed``).
 
     The cache must hold exactly ``committed`` (as ``draft`` leaves it); it does again on return,
     and the shape history is as before: only ``job`` keeps what was drafted.
@@ -140,7 +141,7 @@ def prefetch(drafter: ModelDrafter, cache, committed: list[int], tree: TokenTree
         job.offer(path_guesses(committed, tree, path, drafter.forward_tokens(cache, path_tokens), count))
         while (outcome := job.next_guess()) is not None:
             began = time.perf_counter()
-            proposal = drafter.draft(cache, list(outcome), spec, generator_at(len(outcome)))
+            proposal = drafter.draft(cache, list(outcome), job.spec, generator_at(len(outcome)))
             draft_ms = (time.perf_counter() - began) * 1e3
             job.add(Prepared(outcome, proposal, draft_ms, kv.tail(cache, base),
                              copy.deepcopy(drafter.shape_of(cache))))

@@ -91,7 +91,7 @@ def test_stream_seeds_do_not_collide_where_the_old_formula_did():
 
 
 def test_a_job_stops_once_the_wanted_outcome_is_known():
-    job = PrefetchJob(base=2)
+    job = PrefetchJob(base=2, spec=DraftSpec((1,)))
     job.offer([(1, 2, 3), (1, 2, 4), (1, 5)])
     assert job.next_guess() == (1, 2, 3)
     job.want((1, 5))  # the verdict: the prefetch drafts that one next, then stops
@@ -199,8 +199,8 @@ def test_a_prepared_tree_is_the_tree_drafted_after_the_verdict(ssm, name, spec):
     for step in (committed[:3], committed):  # two drafts, so a cost-aware history has scored a tree
         drafted = ahead.draft(state, step, spec, assignment.generator(len(step)))
     before, history = cache_state(state), copy.deepcopy(ahead.shape_of(state))
-    job = PrefetchJob(len(committed))
-    prefetch(ahead, state, committed, drafted.tree, spec, assignment.generator, 3, job)
+    job = PrefetchJob(len(committed), spec)
+    prefetch(ahead, state, committed, drafted.tree, assignment.generator, 3, job)
     assert same_cache(cache_state(state), before) and kv.cache_length(state) == len(committed)
     assert ahead.shape_of(state) == history
     assert job.guesses, "no outcome guessed"
@@ -224,7 +224,7 @@ def test_a_released_drafter_state_drops_a_prefetched_history(ssm):
     drafter = ModelDrafter(ssm, 0, "ssm")
     state, committed = drafter.new_state(), [4, 9, 17]
     drafted = drafter.draft(state, committed, spec, make_generator(0, 1, 3))
-    prefetch(drafter, state, committed, drafted.tree, spec, Assignment(0, spec).generator, 2, PrefetchJob(3))
+    prefetch(drafter, state, committed, drafted.tree, Assignment(0, spec).generator, 2, PrefetchJob(3, spec))
     drafter.release(state)
     assert drafter.shape_of(state) is None
 
