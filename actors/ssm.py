@@ -19,8 +19,8 @@ from settings.config import EngineConfig
 from engine.paged_models import PagedDrafter
 from engine.draft import ModelDrafter
 from engine.kv_pool import PagedSequence
-from engine.prefetch import PrefetchJob, install, prefetch
-from engine.step import Assignment, Drafted, Prefetched, draft_with
+from engine.prefetch import Ahead
+from engine.step import Assignment, Drafted
 
 from .guard import Guard, make_dropper
 from .targets import batching_parts
@@ -40,7 +40,10 @@ class DraftState:
     cache: DynamicCache | PagedSequence
     committed: list[int] = field(default_factory=list)  # every committed token, root last
     guard: Guard = field(default_factory=Guard)
-    prefetch: PrefetchJob | None = None  # drafting ahead for the step being verified
+    ahead: Ahead = field(init=False)  # drafting ahead for the step being verified, under the guard's lock
+
+    def __post_init__(self) -> None:
+        self.ahead = Ahead(self.guard.lock)
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ class SSMActor(HoldsRequests):
         self.vocabulary: Vocabulary = vocabulary(loaded)
         self._stop_sweeper = start_sweeper(self.store, sweep_interval(config.server.request_ttl_s))
         self.timings: deque[DraftTiming] = deque(maxlen=4096)
-        self.ahead = ThreadPoolExecutor(config.server.max_concurrent_requests, thread_name_prefix="prefetch")
+        self.pool = ThreadPoolExecutor(config.server.max_concurrent_requests, thread_name_prefix="prefetch")
 
     def ready(self) -> tuple[str, Vocabulary]:
         return self.name, self.vocabulary
@@ -88,9 +91,8 @@ class SSMActor(HoldsRequests):
         state = self.store.get_or_create(request_id, lambda: DraftState(self.drafter.new_state()))
         if state is None:
             return None
-        began, job = time.perf_counter(), state.prefetch
-        if job is not None:  # the outcome is known: the prefetch stops after its tree (or now)
-            job.want(state.committed[:start] + list(new_tokens))
+        began = time.perf_counter()
+        state.ahead.announce(state.committed[:start] + list(new_tokens))  # a running prefetch stops after its tree
         lock, handed = state.guard.lock, False
         lock.acquire()  # a prefetch in flight holds it: its tree for this outcome, if any, is then ready
         try:
@@ -98,47 +100,14 @@ class SSMActor(HoldsRequests):
                 return None
             sync_history(state.committed, start, new_tokens)
             start_s = time.time()
-            drafted, prefetched = self._prepared(state, assignment)
-            if drafted is None:
-                drafted = draft_with(self.drafter, state.cache, state.committed, assignment.spec,
-                                     assignment.generator(len(state.committed)))
-            drafted = replace(drafted, draft_ms=(time.perf_counter() - began) * 1e3, prefetched=prefetched)
-            if prefetch and not self.paged and drafted.proposal.tree.size > 1:
-                self._start_prefetch(state, drafted, assignment, prefetch)
-                handed = True
+            drafted, handed = state.ahead.draft(self.drafter, state.cache, state.committed, assignment,
+                                                0 if self.paged else prefetch, self.pool)
+            drafted = replace(drafted, draft_ms=(time.perf_counter() - began) * 1e3)
         finally:
             if not handed:
                 lock.release()
         self.timings.append(DraftTiming(request_id, start_s, time.time()))
         return drafted
-
-    def _prepared(self, state: DraftState, assignment: Assignment) -> tuple[Drafted | None, Prefetched]:
-        """The tree drafted ahead for the committed tokens, installed (a hit), or None (a miss, or no
-        prefetch ran: draft now; the cache is back at the committed tokens either way)."""
-        job, state.prefetch = state.prefetch, None
-        if job is None:
-            return None, Prefetched()
-        prepared = job.take(state.committed) if job.spec == assignment.spec else None
-        if prepared is None:
-            return None, Prefetched(misses=1)
-        install(self.drafter, state.cache, job, prepared)
-        return Drafted(prepared.proposal), Prefetched(hits=1, saved_ms=prepared.draft_ms)
-
-    def _start_prefetch(self, state: DraftState, drafted: Drafted, assignment: Assignment, count: int) -> None:
-        """Hand the request's lock (held) to a prefetch on the pool: nothing else of this request runs
-        before it, and the next draft call waits for it."""
-        job = state.prefetch = PrefetchJob(len(state.committed), assignment.spec)
-        self.ahead.submit(self._prefetch, state, job, list(state.committed), drafted, assignment, count)
-
-    def _prefetch(self, state: DraftState, job: PrefetchJob, committed: list[int], drafted: Drafted,
-                  assignment: Assignment, count: int) -> None:
-        """Runs on the prefetch pool with the request's lock, handed over by ``draft``; releases it."""
-        try:
-            prefetch(self.drafter, state.cache, committed, drafted.proposal.tree, assignment.generator, count, job)
-        except Exception:  # the next draft call drafts as usual (the cache is back at the committed tokens)
-            logger.exception("prefetch failed; drafting goes on without it")
-        finally:
-            state.guard.lock.release()
 
     def batch_counters(self):
         return self.drafter.batcher.counters if self.paged else None

@@ -43,9 +43,8 @@ def add_sampling_arguments(parser) -> None:
                         help="tree shapes from this request alone (no global suffix store, no cost-aware sizes): "
                              "a seeded request gives the same tokens whatever else ran")
     parser.add_argument("--prefetch", type=int, default=None, metavar="N",
-                        help="served path: each SSM drafts the next tree during verification for N guessed "
-                             "outcomes (0: off; default from config); in-process drafting cannot overlap, so it "
-                             "changes nothing there")
+                        help="each SSM drafts the next tree during verification for N guessed outcomes (0: off; "
+                             "default from config); in-process a thread drafts ahead while this one verifies")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 

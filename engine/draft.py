@@ -3,6 +3,7 @@ proposer (``actors.suffix``) builds its proposals with ``TreeBuilder`` too."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -144,12 +145,25 @@ def choose_children(
 class ModelDrafter:
     """A neural SSM drafting a whole tree level per forward with the tree attention mask."""
 
+    can_prefetch = True  # drafts ahead (engine.prefetch) over its DynamicCache states
+
     def __init__(self, model, proposer: int, name: str):
         self.model = model
         self.proposer = proposer
         self.name = name
         self.level_ms = 0.0  # a level forward's cost (moving average), for cost-aware shapes
         self._shapes: dict[object, ShapeHistory] = {}  # state (hashed by identity) -> its shape history
+        self._stream = None  # its CUDA stream (on_own_stream), made on first use
+
+    def on_own_stream(self) -> contextlib.AbstractContextManager:
+        """On CUDA: run the drafter's work on a stream of its own (made once), so that it overlaps the
+        target's passes on the default stream (in-process prefetch); elsewhere, or for a drafter that
+        does not prefetch, a no-op. Everything a draft returns is on the CPU, so nothing crosses streams."""
+        if self.model.device.type != "cuda" or not self.can_prefetch:
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.model.device)
+        return torch.cuda.stream(self._stream)
 
     def new_state(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
@@ -235,7 +249,7 @@ class ModelDrafter:
             elapsed = (time.perf_counter() - began) * 1e3
             if depth == cost.max_depth or not another_level_pays(
                     sorted(path[1:], reverse=True), [path[n] for n in frontier], ratio, history.calibration,
-                    elapsed, self.level_ms, cost, limit):
+                    elapsed, self.level_ms, cost, limit, history.overlap):
                 break
             level_began = time.perf_counter()
             logits = self._forward_level(cache, builder, frontier, cached, depth, len(committed))
@@ -268,7 +282,8 @@ class ModelDrafter:
         """The best-rate prefix of the nodes ranked by path probability (ties: lower index first, so
         a parent precedes its children and the kept nodes form a tree), in topological order."""
         ranked = sorted(range(1, len(builder.tokens)), key=lambda n: (-path[n], n))
-        count, _ = best_size([path[n] for n in ranked], history.calibration, draft_ms, cost, limit)
+        count, _ = best_size([path[n] for n in ranked], history.calibration, draft_ms, cost, limit,
+                             history.overlap)
         kept = sorted(ranked[:count])
         pruned, index = TreeBuilder(root=builder.root, proposer=self.proposer), {0: 0}
         for node in kept:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 from .draft import ModelDrafter
+from .prefetch import Ahead
 from .requests import GenerationRequest, GenerationResult, StepOutcome, StepUpdate
 from .step import (TARGET_STREAM, Assignment, Drafted, Session, draft_with, first_token, iterate_sync,
                    merge_drafts, verify_and_commit)
@@ -16,15 +20,18 @@ from .target import Target
 class LocalBackend:
     """A request's states in this process: the target's and each proposer's.
 
-    Prefetch (``SpeculationOptions.prefetch``) needs drafting to overlap verification, so it runs
-    in the served path only; here drafts and verification alternate and the option changes nothing.
+    Prefetch (``SpeculationOptions.prefetch`` > 0): after each SSM's draft, a thread of the engine's
+    drafts ahead for the step's guessed outcomes while this thread merges and verifies
+    (``engine.prefetch.Ahead``; on CUDA on the drafter's own stream).
     """
 
     def __init__(self, engine: "SpeculativeEngine", request: GenerationRequest):
         self.engine, self.sampling = engine, request.sampling
+        self.prefetch = request.speculation.prefetch
         self.target_state = engine.target.new_state()
         self.generator = make_generator(request.sampling.seed, TARGET_STREAM)
         self.proposers: dict[int, object] = {}  # proposer -> its state, made on first use
+        self.ahead: dict[int, Ahead] = {}  # proposer -> its drafting ahead (with prefetch)
 
     async def prefill(self, prompt_ids: list[int]) -> int:
         logits = self.engine.target.prefill(self.target_state, prompt_ids)  # [V]
@@ -37,18 +44,42 @@ class LocalBackend:
             if assignment.proposer not in self.proposers:
                 self.proposers[assignment.proposer] = drafter.new_state()
             state = self.proposers[assignment.proposer]
-            drafts.append(draft_with(drafter, state, committed, assignment.spec, assignment.generator(len(committed))))
+            if self.prefetch and isinstance(drafter, ModelDrafter) and drafter.can_prefetch:
+                drafts.append(self._draft_ahead(drafter, state, committed, assignment))
+            else:
+                drafts.append(draft_with(drafter, state, committed, assignment.spec,
+                                         assignment.generator(len(committed))))
         return merge_drafts(drafts, committed[-1], sum(d.draft_ms for d in drafts))  # drafted one after another
+
+    def _draft_ahead(self, drafter: ModelDrafter, state, committed: list[int], assignment: Assignment) -> Drafted:
+        """The prepared tree or a new one, then a prefetch on the engine's pool (it holds the
+        proposer's lock until it is done; the next call waits for it)."""
+        began, ahead = time.perf_counter(), self.ahead.setdefault(assignment.proposer, Ahead())
+        ahead.announce(committed)
+        ahead.lock.acquire()
+        handed = False
+        try:
+            drafted, handed = ahead.draft(drafter, state, list(committed), assignment, self.prefetch, self.engine.pool)
+        finally:
+            if not handed:
+                ahead.lock.release()
+        return replace(drafted, draft_ms=(time.perf_counter() - began) * 1e3)
 
     async def verify(self, drafted: Drafted) -> StepOutcome:
         return verify_and_commit(self.engine.target, self.target_state, drafted, self.sampling, self.generator)
 
     def release(self) -> None:
-        """Give the target's and every proposer's state back (paged KV blocks return to their pool)."""
+        """Give the target's and every proposer's state back (paged KV blocks return to their pool),
+        once no prefetch runs on it."""
         self.engine.target.release(self.target_state)
         for proposer, state in self.proposers.items():
+            ahead = self.ahead.get(proposer)
+            if ahead is not None:
+                ahead.announce(())  # an outcome nobody guessed: a running prefetch stops after its tree
+                with ahead.lock:
+                    ahead.job = None
             self.engine.drafters[proposer].release(state)
-        self.proposers = {}
+        self.proposers, self.ahead = {}, {}
 
 
 class SpeculativeEngine:
@@ -65,6 +96,8 @@ class SpeculativeEngine:
         self.names = tuple(d.name for d in self.drafters)
         self.neural = tuple(isinstance(d, ModelDrafter) for d in self.drafters)
         self.max_context = max_context or getattr(target.model.config, "max_position_embeddings", None)
+        # drafting ahead (SpeculationOptions.prefetch): a thread per proposer, made on first use
+        self.pool = ThreadPoolExecutor(max(1, len(self.drafters)), thread_name_prefix="prefetch")
 
     def check_request(self, request: GenerationRequest) -> None:
         if not request.prompt_ids:

@@ -57,6 +57,8 @@ class PagedTarget:
 class PagedDrafter(ModelDrafter):
     """A neural SSM drafting over its own pool; one forward per tree level for all requests."""
 
+    can_prefetch = False  # requests' levels share packed forwards: no drafting ahead (engine.prefetch)
+
     def __init__(self, model, proposer: int, name: str, pool: BlockPool, batcher: ForwardBatcher):
         super().__init__(model, proposer, name)
         self.pool, self.batcher = pool, batcher

@@ -3,12 +3,17 @@ verifies step t's tree.
 
 An *outcome* of step t is the accepted path plus the target's next token (the bonus or recovered
 token, step t+1's root), so each prepared tree is drafted for a guessed committed sequence:
-``committed + path[:d] + (guess,)``. The SSM guesses from its own tree and one forward along its
-best path (``path_guesses``). A prepared tree is computed exactly as the normal draft would be:
-the same cache prefix, the same tokens fed in one forward, the same generator (made from the
-committed length, ``engine.step.Assignment.generator``) and the same shape history. So when the
+``committed + path[:d] + (guess,)``, d >= 0. The SSM guesses from its own tree and one forward over
+the root and its best path (``path_guesses``). A prepared tree is computed exactly as the normal
+draft would be: the same cache prefix, the same tokens fed in one forward, the same generator
+(made from the committed length, ``engine.step.Assignment.generator``) and the same shape history. So when the
 verdict matches a guess, the prepared tree *is* the tree the normal path would draft; otherwise it
 is dropped, with the KV entries it added. ``actors.ssm`` runs this beside the verifier.
+
+``Ahead`` is one request's drafting with prefetch on one proposer, the same for both transports:
+``actors.ssm`` (the SSM actor drafts ahead while the merge actor and the verifier work) and
+``engine.generate`` (in-process: a thread drafts ahead while this one verifies; on CUDA the
+drafter's work runs on a stream of its own, ``ModelDrafter.on_own_stream``).
 
 Only ``ModelDrafter`` over a ``DynamicCache`` prefetches (not the paged, continuously batched drafter).
 """
@@ -16,9 +21,11 @@ Only ``ModelDrafter`` over a ``DynamicCache`` prefetches (not the paged, continu
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -26,7 +33,10 @@ import torch
 from . import kv
 from .draft import DraftSpec, ModelDrafter, Proposal
 from .shape import ShapeHistory
+from .step import Assignment, Drafted, Prefetched, draft_with
 from .tree import TokenTree, children
+
+logger = logging.getLogger(__name__)
 
 Committed = tuple[int, ...]
 
@@ -44,30 +54,43 @@ def best_path(tree: TokenTree) -> list[int]:
     return path
 
 
-def path_guesses(committed: Sequence[int], tree: TokenTree, path: Sequence[int], logits: torch.Tensor,  # [G, V]
+def path_guesses(committed: Sequence[int], tree: TokenTree, path: Sequence[int], logits: torch.Tensor,  # [G + 1, V]
                  count: int) -> list[Committed]:
-    """Up to ``count`` outcomes: the whole path accepted first, then the path cut at a depth d >= 1,
+    """Up to ``count`` outcomes: the whole path accepted first, then the path cut at a depth d >= 0,
     most likely first.
 
-    ``logits[d - 1]``: the SSM's logits after ``path[:d]``. If the target takes ``path[:d]`` and
-    then none of node ``path[d-1]``'s children, its next token is most likely the SSM's best token
-    outside those children, ``g_d``. A cut's score is the SSM's probability of the path below its
-    first node times that of ``g_d`` (the first node's probability is common to all).
-    Example: path tokens (a, b), SSM after a: b 0.6, x 0.3; after b: y 0.6. Outcomes: (a, b, y)
-    (the whole path, always first), then (a, x) (b is a child of a, so excluded).
+    ``logits[d]``: the SSM's logits after ``path[:d]`` (``logits[0]`` at the root). If the target
+    takes ``path[:d]`` and then none of that node's children, its next token is most likely the
+    SSM's best token outside those children, ``g_d``. A cut's score is the SSM's probability of
+    ``path[:d]`` times that of ``g_d``.
+    Example: root r with child a, a with child b (the path); SSM at r: a 0.5, z 0.3; after a: b 0.6,
+    x 0.3; after b: y 0.6. Outcomes: (a, b, y) (the whole path, always first), then (z) (score 0.3;
+    a is r's child, so excluded), then (a, x) (0.5 * 0.3; b excluded).
     """
     tokens, kids = tree.tokens.tolist(), children(tree.parents)
-    probs = torch.softmax(logits.float(), dim=-1)  # [G, V]
+    probs = torch.softmax(logits.float(), dim=-1)  # [G + 1, V]
     cuts, reach = [], 1.0
-    for d, node in enumerate(path, start=1):
-        row = probs[d - 1].clone()
+    for d, node in enumerate([0] + list(path)):
+        row = probs[d].clone()
         row[[tokens[child] for child in kids[node]]] = 0.0
         guess = int(row.argmax())
         cuts.append((reach * float(row[guess]), -d, tuple(committed) + tuple(tokens[n] for n in path[:d]) + (guess,)))
         if d < len(path):
-            reach *= float(probs[d - 1, tokens[path[d]]])
+            reach *= float(probs[d, tokens[path[d]]])
     whole = cuts.pop()[2]
     return [whole] + [outcome for _, _, outcome in sorted(cuts, reverse=True)][:max(0, count - 1)]
+
+
+def path_logits(drafter: ModelDrafter, cache, committed: Sequence[int], path_tokens: list[int]) -> torch.Tensor:  # -> [G + 1, V]
+    """The SSM's logits at the root and after each path token: one forward over the root (fed
+    again) and the path. The root's KV entry is put back as it was, so the cache is unchanged."""
+    base = len(committed)
+    root = kv.tail(cache, base - 1)
+    kv.crop(cache, base - 1)
+    try:
+        return drafter.forward_tokens(cache, [committed[-1]] + path_tokens)
+    finally:
+        kv.restore_tail(cache, base - 1, root)
 
 
 @dataclass(frozen=True)
@@ -137,8 +160,8 @@ def prefetch(drafter: ModelDrafter, cache, committed: list[int], tree: TokenTree
         return
     saved = copy.deepcopy(drafter.shape_of(cache))
     try:
-        path_tokens = tree.tokens[path].tolist()
-        job.offer(path_guesses(committed, tree, path, drafter.forward_tokens(cache, path_tokens), count))
+        logits = path_logits(drafter, cache, committed, tree.tokens[path].tolist())
+        job.offer(path_guesses(committed, tree, path, logits, count))
         while (outcome := job.next_guess()) is not None:
             began = time.perf_counter()
             proposal = drafter.draft(cache, list(outcome), job.spec, generator_at(len(outcome)))
@@ -152,7 +175,75 @@ def prefetch(drafter: ModelDrafter, cache, committed: list[int], tree: TokenTree
         drafter.set_shape(cache, saved)
 
 
+def record_outcome(drafter: ModelDrafter, cache, hit: bool) -> None:
+    """Fold whether this step's tree was ready into the request's shape history (its *overlap*: the
+    cost model then counts that share of drafting as hidden behind verification). Call it after the
+    step's tree is drafted or installed: a tree prepared ahead saw the history before this step's
+    outcome, and so does the normal path's."""
+    history = drafter.shape_of(cache)
+    if history is not None:
+        history.record_prefetch(hit)
+
+
 def install(drafter: ModelDrafter, cache, job: PrefetchJob, prepared: Prepared) -> None:
     """Make the state what drafting ``prepared`` left: its KV entries and its shape history."""
     kv.restore_tail(cache, job.base, prepared.entries)
     drafter.set_shape(cache, prepared.history)
+
+
+def take_or_draft(drafter: ModelDrafter, cache, committed: list[int], assignment: Assignment,
+                  job: PrefetchJob | None) -> Drafted:
+    """The step's tree at ``committed``: the one drafted ahead for exactly these tokens and this spec,
+    installed (a hit), or drafted now (a miss, or no prefetch ran; the cache is back at the committed
+    tokens either way). The caller holds the request's lock, so no prefetch runs."""
+    prepared = job.take(committed) if job is not None and job.spec == assignment.spec else None
+    if prepared is not None:
+        install(drafter, cache, job, prepared)
+        drafted = Drafted(prepared.proposal, prefetched=Prefetched(hits=1, saved_ms=prepared.draft_ms))
+    else:
+        drafted = draft_with(drafter, cache, committed, assignment.spec, assignment.generator(len(committed)))
+        drafted = replace(drafted, prefetched=Prefetched(misses=int(job is not None)))
+    if job is not None:
+        record_outcome(drafter, cache, prepared is not None)
+    return drafted
+
+
+class Ahead:
+    """One request's drafting on one proposer with prefetch: the lock a prefetch holds while it
+    drafts, and its job.
+
+    A draft call ``announce``s its committed tokens (a running prefetch then stops after the tree
+    they need), takes ``lock`` (so waits for the prefetch) and calls ``draft``: the prepared tree or
+    a new one, then, with ``count`` > 0, a new prefetch on ``pool``, to which the lock is handed.
+    ``draft`` returns whether it was; if not, the caller releases the lock.
+    """
+
+    def __init__(self, lock: threading.Lock | None = None):
+        self.lock = lock if lock is not None else threading.Lock()
+        self.job: PrefetchJob | None = None
+
+    def announce(self, committed: Sequence[int]) -> None:
+        if self.job is not None:
+            self.job.want(committed)
+
+    def draft(self, drafter: ModelDrafter, cache, committed: list[int], assignment: Assignment, count: int,
+              pool: Executor) -> tuple[Drafted, bool]:
+        job, self.job = self.job, None
+        with drafter.on_own_stream():
+            drafted = take_or_draft(drafter, cache, committed, assignment, job)
+        if count < 1 or drafted.proposal.tree.size <= 1:
+            return drafted, False
+        self.job = PrefetchJob(len(committed), assignment.spec)
+        pool.submit(self._run, drafter, cache, list(committed), drafted.proposal.tree, assignment, count, self.job)
+        return drafted, True
+
+    def _run(self, drafter: ModelDrafter, cache, committed: list[int], tree: TokenTree, assignment: Assignment,
+             count: int, job: PrefetchJob) -> None:
+        """On the pool, holding the lock ``draft`` handed over; releases it."""
+        try:
+            with drafter.on_own_stream():
+                prefetch(drafter, cache, committed, tree, assignment.generator, count, job)
+        except Exception:  # the next draft call drafts as usual (the cache is back at the committed tokens)
+            logger.exception("prefetch failed; drafting goes on without it")
+        finally:
+            self.lock.release()

@@ -6,8 +6,11 @@ probability* is the product of the SSM's probabilities along its path. After dra
 are ranked by path probability and the tree keeps the ``n`` best, where ``n`` maximises expected
 tokens per millisecond of the step:
 
-    rate(n) = (1 + sum of acceptance(p_i), i < n) / (draft_ms + verify_ms(n + 1))
+    rate(n) = (1 + sum of acceptance(p_i), i < n) / step_ms(draft_ms, verify_ms(n + 1))
 
+where ``step_ms`` is their sum, less what prefetch hides: with ``speculation.prefetch`` a share of
+the request's drafts (its *overlap*, the faded rate of prefetch hits) was drafted during the previous
+verification, and there the shorter of the two is hidden (``step_ms``).
 ``acceptance(p)`` is calibrated from the request's own history (how often a node of path
 probability about ``p`` was accepted; the prior is ``p`` itself), ``verify_ms`` is the target's
 measured verify-cost curve. Drafting stops when one more level is not expected to raise the best
@@ -98,45 +101,68 @@ class Calibration:
         self.accepted = [a * factor for a in self.accepted]
 
 
+def step_ms(draft_ms: float, verify_ms: float, overlap: float = 0.0) -> float:
+    """Expected ms of a step: drafting then verifying, except that in a share ``overlap`` of the
+    steps the tree was drafted during the previous verification (a prefetch hit), which hides the
+    shorter of the two. Example: draft 20, verify 100, overlap 0.75 -> 120 - 15 = 105."""
+    return draft_ms + verify_ms - overlap * min(draft_ms, verify_ms)
+
+
 def best_size(probs: Sequence[float], calibration: Calibration, draft_ms: float, cost: TreeCost,
-              limit: int) -> tuple[int, float]:
+              limit: int, overlap: float = 0.0) -> tuple[int, float]:
     """(n, rate): how many of the nodes (path probabilities, best first) to keep, at most ``limit``,
     and the expected tokens per ms with them (the root's one token counts even with n = 0).
 
     Example: probs [0.9, 0.5, 0.1], no history, draft 20 ms, verify 100 ms + 10 ms per extra token
     -> rates 1/120, 1.9/130, 2.4/140, 2.5/150: n = 2.
     """
-    expected, best, ratios = 1.0, (0, 1.0 / (draft_ms + cost.verify(1))), calibration.ratios()
+    expected, ratios = 1.0, calibration.ratios()
+    best = (0, 1.0 / step_ms(draft_ms, cost.verify(1), overlap))
     for n, p in enumerate(probs[:limit], start=1):
         expected += min(1.0, p * ratios[Calibration.bin(p)])
-        rate = expected / (draft_ms + cost.verify(n + 1))
+        rate = expected / step_ms(draft_ms, cost.verify(n + 1), overlap)
         if rate > best[1]:
             best = (n, rate)
     return best
 
 
 def another_level_pays(probs: Sequence[float], frontier: Sequence[float], ratio: float, calibration: Calibration,
-                       draft_ms: float, level_ms: float, cost: TreeCost, limit: int) -> bool:
+                       draft_ms: float, level_ms: float, cost: TreeCost, limit: int, overlap: float = 0.0) -> bool:
     """Whether drafting one more level is expected to raise the best rate.
 
     ``frontier``: path probabilities of the nodes the level would expand; each is expected to gain
     a best child of path probability ``p * ratio`` (``ratio``: the mean top child probability of the
-    last level), for one more SSM forward of ``level_ms``.
+    last level), for one more SSM forward of ``level_ms``. ``overlap``: as in ``step_ms``.
     """
-    now = best_size(probs, calibration, draft_ms, cost, limit)[1]
+    now = best_size(probs, calibration, draft_ms, cost, limit, overlap)[1]
     grown = sorted(list(probs) + [p * ratio for p in frontier], reverse=True)
-    return best_size(grown, calibration, draft_ms + level_ms, cost, limit)[1] > now
+    return best_size(grown, calibration, draft_ms + level_ms, cost, limit, overlap)[1] > now
 
 
 @dataclass
 class ShapeHistory:
-    """One request's shape inputs: its calibration and the last tree it proposed.
+    """One request's shape inputs: its calibration, the last tree it proposed and how often its
+    trees were drafted ahead (prefetch hits, faded like the calibration).
 
     ``last``: (committed length when drafted, tokens [root first], parents, path probabilities).
     """
 
     calibration: Calibration = field(default_factory=Calibration)
     last: tuple[int, list[int], list[int], list[float]] | None = None
+    hits: float = 0.0  # faded count of steps whose tree was prepared ahead
+    calls: float = 0.0  # faded count of steps that could have been (a prefetch ran before them)
+
+    @property
+    def overlap(self) -> float:
+        """The expected share of steps whose drafting is hidden behind verification, with a prior of
+        one miss. Example: none recorded -> 0; three hits in a row -> 2.71 / (2.71 + 1) = 0.73."""
+        return self.hits / (self.calls + 1.0)
+
+    def record_prefetch(self, hit: bool) -> None:
+        """One step after a prefetch: whether its tree was ready (recorded after the step's tree is
+        drafted or installed, so a tree prepared ahead and the normal path's saw the same history)."""
+        self.hits = DECAY * self.hits + float(hit)
+        self.calls = DECAY * self.calls + 1.0
 
     def observe(self, committed: Sequence[int]) -> None:
         """One step: fade the history, then score the last proposal against what was committed

@@ -466,14 +466,19 @@ def test_smollm2_fp32_outputs_match_incremental(smollm2_dir, tmp_path):
     assert results["summary"]["ensemble"]["tokens_per_step"] > 1.0
 
 
-def _gpu_verify_curve():
+def _bench_script(name: str):
+    """A GPU script of bench/ (run as a file on a GPU machine), imported as a module."""
     import importlib.util
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "gpu_verify_curve.py"
-    spec = importlib.util.spec_from_file_location("gpu_verify_curve", path)
+    path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _gpu_verify_curve():
+    return _bench_script("gpu_verify_curve")
 
 
 @pytest.mark.parametrize("size,width,parents", [(1, 4, [-1]), (6, 2, [-1, 0, 0, 1, 1, 2]), (5, 4, [-1, 0, 0, 0, 0])])
@@ -510,3 +515,33 @@ def test_step_profile(records, expected):
     from bench.summary import step_profile
 
     assert step_profile(records) == expected
+
+
+@pytest.mark.parametrize("agreement,same", [(1.0, 512), (0.5, 256), (0.0, 0)])
+def test_gpu_prefetch_rules_are_permutations_that_agree_on_the_share(agreement, same):
+    target, ssm = _bench_script("gpu_prefetch").rules(512, agreement, seed=1)
+    assert sorted(target.tolist()) == sorted(ssm.tolist()) == list(range(512))
+    assert abs(int((target == ssm).sum()) - same) <= 512 * (1.0 - agreement) * 0.05 + 1  # a shuffle's fixed points
+
+
+@pytest.mark.parametrize("agreement", [1.0, 0.6])
+def test_gpu_prefetch_runs_on_cpu_tiny(tmp_path, agreement):
+    """bench/gpu_prefetch.py (meant for a GPU) on CPU with the tiny pair: every method's output is the
+    target's own planted greedy output; where the SSM's rule is the target's, every draft after a
+    request's first is a prefetch hit (the hit rate is 1), otherwise some miss (a rejected token is
+    random to the SSM)."""
+    result = _bench_script("gpu_prefetch").main([
+        "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "3", "--prompt-tokens", "16",
+        "--tokens", "20", "--agreement", str(agreement), "--out", str(tmp_path / "p.json")])
+    assert result["outputs_follow_the_target"]
+    assert [len(r["token_ids"]) for r in result["rows"]] == [20] * 9
+    off, on = result["table"][1], result["table"][2]
+    assert off["hit_rate"] is None
+    assert on["hit_rate"] == 1.0 if agreement == 1.0 else on["hit_rate"] < 1.0
+    assert json.loads((tmp_path / "p.json").read_text())["table"][2]["method"] == "tree, prefetch on"
+
+
+@pytest.mark.gpu
+def test_gpu_prefetch_default_pair_shape(tmp_path):
+    result = _bench_script("gpu_prefetch").main(["--prompts", "3", "--tokens", "64", "--out", str(tmp_path / "p.json")])
+    assert result["outputs_follow_the_target"] and result["table"][2]["hit_rate"] > 0

@@ -2,9 +2,10 @@
 
 Without Ray: the pure guesses, the generator derivation, and that a tree drafted ahead is the tree
 the normal path drafts (same proposal, same KV entries, same shape history) while the state
-otherwise stays as it was. Served (``ray``): fp32 greedy output equals the target's own with
-prefetch on, hits happen where the SSM is the target itself, a seeded sampled request gives the
-same tokens with prefetch on and off, and bad values are INVALID_ARGUMENT.
+otherwise stays as it was. In-process (a thread drafts ahead) and served (``ray``): fp32 greedy
+output equals the target's own with prefetch on, hits happen where the SSM is the target itself,
+a seeded sampled request gives the same tokens with prefetch on and off (a negative control, taking
+any prepared tree, fails it); served, bad values are INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from engine import kv
 from engine.draft import DraftSpec, ModelDrafter
-from engine.prefetch import PrefetchJob, best_path, install, path_guesses, prefetch
+from engine.prefetch import PrefetchJob, best_path, install, path_guesses, prefetch, record_outcome
 from engine.sampling import SamplingParams, make_generator, stream_seed
 from engine.shape import TreeCost
 from engine.step import Assignment
@@ -59,27 +60,29 @@ def logits_from(rows: list[dict[int, float]], vocab: int = 8) -> torch.Tensor:  
 
 
 def test_path_guesses_worked_example():
-    """The docstring's example: path a=1, b=2 (b the child of a); after a: b 0.6, x=3 0.3; after b: y=4 0.6."""
+    """The docstring's example: root r=7 -> a=1 -> b=2; at r: a 0.5, z=6 0.3; after a: b 0.6, x=3 0.3;
+    after b: y=4 0.6."""
     t = tree([-1, 0, 1], [7, 1, 2])
-    logits = logits_from([{2: 0.6, 3: 0.3}, {4: 0.6}])
-    assert path_guesses([5, 7], t, [1, 2], logits, 3) == [(5, 7, 1, 2, 4), (5, 7, 1, 3)]
+    logits = logits_from([{1: 0.5, 6: 0.3}, {2: 0.6, 3: 0.3}, {4: 0.6}])
+    assert path_guesses([5, 7], t, [1, 2], logits, 3) == [(5, 7, 1, 2, 4), (5, 7, 6), (5, 7, 1, 3)]
     assert path_guesses([5, 7], t, [1, 2], logits, 1) == [(5, 7, 1, 2, 4)]
 
 
 def test_the_whole_path_comes_first_however_unlikely_and_cuts_follow_by_score():
-    """Path a->b->c; cuts after a (score 0.5) and after b (0.1 * 0.9): the whole path (score 0.1 * 0.1 *
-    0.2) is still first, then the cut after a, then the one after b."""
+    """Path a->b->c (a at 0.9); cuts at the root (score 0.05), after a (0.9 * 0.5) and after b
+    (0.9 * 0.1 * 0.9): the whole path (score 0.9 * 0.1 * 0.1 * 0.2) is still first, then the cuts by score."""
     t = tree([-1, 0, 1, 2], [7, 1, 2, 3])
-    logits = logits_from([{2: 0.1, 5: 0.5}, {3: 0.1, 6: 0.9}, {4: 0.2}])
-    assert path_guesses([7], t, [1, 2, 3], logits, 3) == [(7, 1, 2, 3, 4), (7, 1, 5), (7, 1, 2, 6)]
+    logits = logits_from([{1: 0.9, 0: 0.05}, {2: 0.1, 5: 0.5}, {3: 0.1, 6: 0.9}, {4: 0.2}])
+    assert path_guesses([7], t, [1, 2, 3], logits, 4) == [(7, 1, 2, 3, 4), (7, 1, 5), (7, 1, 2, 6), (7, 0)]
     assert path_guesses([7], t, [1, 2, 3], logits, 2) == [(7, 1, 2, 3, 4), (7, 1, 5)]
 
 
 def test_path_guesses_exclude_the_nodes_children():
-    """At a node with children b and c in the tree, the guess is the best token that is neither."""
-    t = tree([-1, 0, 1, 1], [7, 1, 2, 3])
-    logits = logits_from([{2: 0.4, 3: 0.35, 6: 0.2}])
-    assert path_guesses([7], t, [1], logits, 4) == [(7, 1, 6)]
+    """At a node with children b and c in the tree, the guess is the best token that is neither (at
+    the root too: a and d are its children)."""
+    t = tree([-1, 0, 1, 1, 0], [7, 1, 2, 3, 4])
+    logits = logits_from([{1: 0.5, 4: 0.3, 5: 0.1}, {2: 0.4, 3: 0.35, 6: 0.2}])
+    assert path_guesses([7], t, [1], logits, 4) == [(7, 1, 6), (7, 5)]
 
 
 def test_stream_seeds_do_not_collide_where_the_old_formula_did():
@@ -166,7 +169,19 @@ SPECS = [  # (name, spec): deterministic and drawn children, a dynamic tree, a c
     ("without_replacement", DraftSpec((3, 1), "sampled_without_replacement", SamplingParams(temperature=1.2, seed=6))),
     ("confidence", DraftSpec((2, 2, 2), min_confidence=0.05)),
     ("cost_aware", DraftSpec((2, 1), cost=SLOW_FLAT, max_nodes=16)),
+    ("cost_aware_overlapped", DraftSpec((2, 1), cost=SLOW_FLAT, max_nodes=16)),  # after prefetch hits
 ]
+
+
+def drafted_through(drafter: ModelDrafter, state, steps: list[list[int]], assignment: Assignment, hits: int):
+    """Draft at each committed prefix in turn; before the last, record ``hits`` prefetch hits (as the
+    SSM actor does after each step whose tree was ready). Returns the last proposal."""
+    for index, step in enumerate(steps):
+        if index == len(steps) - 1:
+            for _ in range(hits):
+                record_outcome(drafter, state, True)
+        drafted = drafter.draft(state, step, assignment.spec, assignment.generator(len(step)))
+    return drafted
 
 
 @pytest.fixture(scope="module")
@@ -194,22 +209,24 @@ def test_a_prepared_tree_is_the_tree_drafted_after_the_verdict(ssm, name, spec):
     the same history at that outcome; installing it leaves the same KV entries and shape history.
     Meanwhile the state is as before: cache entries and history untouched."""
     assignment, committed = Assignment(0, spec), [4, 9, 17, 3, 22]
+    hits = 3 if name.endswith("overlapped") else 0
     ahead = ModelDrafter(ssm, 0, "ahead")
-    state = ahead.new_state()
-    for step in (committed[:3], committed):  # two drafts, so a cost-aware history has scored a tree
-        drafted = ahead.draft(state, step, spec, assignment.generator(len(step)))
+    state = ahead.new_state()  # two drafts, so a cost-aware history has scored a tree
+    drafted = drafted_through(ahead, state, [committed[:3], committed], assignment, hits)
+    assert not hits or ahead.shape_of(state).overlap > 0.5
     before, history = cache_state(state), copy.deepcopy(ahead.shape_of(state))
     job = PrefetchJob(len(committed), spec)
-    prefetch(ahead, state, committed, drafted.tree, assignment.generator, 3, job)
+    prefetch(ahead, state, committed, drafted.tree, assignment.generator, 8, job)  # every cut
     assert same_cache(cache_state(state), before) and kv.cache_length(state) == len(committed)
     assert ahead.shape_of(state) == history
-    assert job.guesses, "no outcome guessed"
+    assert len(job.guesses) == len(best_path(drafted.tree)) + 1  # the whole path, cuts at depth 0..
+    assert min(len(outcome) for outcome in job.guesses) == len(committed) + 1  # the cut at the root
     for index, outcome in enumerate(job.guesses):
-        assert outcome[:len(committed)] == tuple(committed) and len(outcome) > len(committed) + 1
+        assert outcome[:len(committed)] == tuple(committed) and len(outcome) > len(committed)
         normal = ModelDrafter(ssm, 0, "normal")
         reference = normal.new_state()
-        for step in (committed[:3], committed, list(outcome)):
-            expected = normal.draft(reference, step, spec, assignment.generator(len(step)))
+        drafted_through(normal, reference, [committed[:3], committed], assignment, hits)
+        expected = normal.draft(reference, list(outcome), spec, assignment.generator(len(outcome)))
         prepared = job.take(outcome)
         assert same_proposal(prepared.proposal, expected), f"outcome {index} of {name}"
         assert prepared.history == normal.shape_of(reference)
@@ -229,10 +246,72 @@ def test_a_released_drafter_state_drops_a_prefetched_history(ssm):
     assert drafter.shape_of(state) is None
 
 
+# --- in-process ---------------------------------------------------------------------------
+
+PROMPTS = ["def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)", "Hello wörld, speculative decoding!"]
+
+
+@pytest.fixture(scope="module")
+def target_model(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_models["target"], dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prefetching_engine(tiny_args, tiny_models):
+    """The in-process engine with SSM "self" (the target itself: its guesses hit) and "ssm-a" (an
+    independent tiny model), fp32, no suffix proposer."""
+    from cluster.build import build_engine
+    from settings.config import EngineConfig
+
+    args = copy.deepcopy(tiny_args)
+    args["ssms"] = [{"name": "self", "source": str(tiny_models["target"])},
+                    {"name": "ssm-a", "source": str(tiny_models["ssm-a"])}]
+    args["suffix"] = None
+    return build_engine(EngineConfig.model_validate(args))
+
+
+def in_process(engine, prompt: str, prefetch_count: int, ssms=None, children: str = "top_k",
+               sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 32):
+    from engine.requests import GenerationRequest, SpeculationOptions
+
+    options = SpeculationOptions(mode="tree", expansion=(2, 2, 1), max_tree_nodes=32, children=children,
+                                 prefetch=prefetch_count, adaptive=False, proposers=ssms)
+    ids = tuple(engine.tokenizer.encode(prompt))
+    return engine.generate(GenerationRequest(ids, max_new_tokens, sampling, options))
+
+
+@pytest.mark.parametrize("ssms", [("self", "ssm-a"), ("ssm-a",)])
+def test_in_process_greedy_with_prefetch_is_the_targets_own_output(prefetching_engine, target_model, ssms):
+    """A thread drafts ahead while this one verifies: fp32 tokens equal the target's ``generate``;
+    with the target as SSM every step after the first is a hit."""
+    hits = steps = ran = 0
+    for prompt in PROMPTS:
+        ids = prefetching_engine.tokenizer.encode(prompt)
+        result = in_process(prefetching_engine, prompt, 2, ssms=ssms)
+        reference = target_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32)[0, len(ids):]
+        assert list(result.token_ids) == reference.tolist()
+        hits, steps = hits + result.stats.prefetch_hits, steps + result.stats.target_steps - 2
+        ran += result.stats.prefetch_hits + result.stats.prefetch_misses
+    assert ran > 0
+    if "self" in ssms:
+        assert hits >= steps > 0, (hits, steps)
+
+
+@pytest.mark.parametrize("children", ["top_k", "sampled"])
+def test_in_process_seeded_sampled_output_is_the_same_with_prefetch_on_and_off(prefetching_engine, children):
+    """Seeded sampling (fixed shapes): the same tokens with prefetch 0, 3 and 0 again; prefetch ran."""
+    sampling = SamplingParams(temperature=0.9, seed=7)
+    runs = [in_process(prefetching_engine, PROMPTS[0], n, children=children, sampling=sampling, max_new_tokens=40)
+            for n in (0, 3, 0)]
+    assert [list(r.token_ids) for r in runs[1:]] == [list(runs[0].token_ids)] * 2
+    assert [r.stats.prefetch_hits + r.stats.prefetch_misses > 0 for r in runs] == [False, True, False]
+
+
 # --- served ------------------------------------------------------------------------------
 
 APP = "specinfer-prefetch"
-PROMPTS = ["def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)", "Hello wörld, speculative decoding!"]
 
 
 @pytest.fixture(scope="module")
@@ -257,13 +336,6 @@ def prefetch_app(serving, tiny_args, tiny_models):  # noqa: F811
         client.wait_ready(300)
     yield serving, serve.get_app_handle(APP)
     serve.delete(APP)
-
-
-@pytest.fixture(scope="module")
-def target_model(tiny_models):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_models["target"], dtype=torch.float32).eval()
 
 
 def held(handle) -> dict[str, int]:

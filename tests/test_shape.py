@@ -16,7 +16,7 @@ from engine.generate import SpeculativeEngine
 from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.sampling import SamplingParams, make_generator
-from engine.shape import PRIOR, Calibration, ShapeHistory, TreeCost, another_level_pays, best_size
+from engine.shape import PRIOR, Calibration, ShapeHistory, TreeCost, another_level_pays, best_size, step_ms
 from engine.step import plan_proposers
 from engine.target import TargetModel
 from tests.lookup_models import LookupDrafter, LookupLM, chi_square, prefix_distribution
@@ -62,6 +62,36 @@ def test_best_size(probs, draft_ms, cost, limit, expected):
     assert best_size(probs, Calibration(), draft_ms, cost, limit)[0] == expected
 
 
+@pytest.mark.parametrize("draft_ms,verify_ms,overlap,ms", [
+    (20.0, 100.0, 0.0, 120.0),  # no prefetch: they take turns
+    (20.0, 100.0, 0.75, 105.0),  # the docstring's example
+    (20.0, 100.0, 1.0, 100.0),  # every tree drafted ahead: the step is the verification
+    (300.0, 100.0, 1.0, 300.0),  # ... or the drafting, when that is the longer
+])
+def test_step_ms_hides_the_shorter_side_in_the_overlapped_share(draft_ms, verify_ms, overlap, ms):
+    assert step_ms(draft_ms, verify_ms, overlap) == pytest.approx(ms)
+
+
+def test_overlap_is_the_faded_hit_rate_with_a_prior_of_one_miss():
+    history = ShapeHistory()
+    assert history.overlap == 0.0
+    for _ in range(3):
+        history.record_prefetch(True)
+    assert history.overlap == pytest.approx(2.71 / 3.71)  # the docstring's example
+    for _ in range(30):
+        history.record_prefetch(False)
+    assert history.overlap < 0.05
+
+
+def test_overlapped_drafting_changes_the_kept_size():
+    """On a steep curve (10 ms a token) a 20 ms draft taken in turn is a sunk cost that a bigger
+    tree spreads out: 2 nodes (rates 1/30, 1.9/40, 2.4/50, 2.5/60). Hidden behind verification the
+    step is max(draft, verify): one node fills the pass up to 20 ms (1/20, 1.9/20, 2.4/30)."""
+    probs = [0.9, 0.5, 0.1]
+    assert best_size(probs, Calibration(), 20.0, STEEP, 10, overlap=0.0)[0] == 2
+    assert best_size(probs, Calibration(), 20.0, STEEP, 10, overlap=1.0)[0] == 1
+
+
 def test_calibration_learns_from_history():
     calibration = Calibration()
     assert calibration.acceptance(0.4) == pytest.approx(0.4)  # the prior: confidence is acceptance
@@ -94,6 +124,15 @@ def test_a_request_whose_trees_stopped_paying_tries_again():
 ])
 def test_another_level_pays(level_ms, cost, expected):
     assert another_level_pays([0.8, 0.1], [0.8], 0.9, Calibration(), 5.0, level_ms, cost, 64) is expected
+
+
+def test_a_level_hidden_behind_verification_pays():
+    """A 500 ms level beside a 1000 ms pass: drafted in turn it costs more than its expected token
+    brings; drafted during the previous verification it is free."""
+    slow = TreeCost(((1, 1000.0), (64, 1000.0)))
+    args = ([0.8, 0.1], [0.8], 0.9, Calibration(), 5.0, 500.0, slow, 64)
+    assert not another_level_pays(*args, overlap=0.0)
+    assert another_level_pays(*args, overlap=1.0)
 
 
 @pytest.mark.parametrize("committed,accepted", [
