@@ -64,8 +64,8 @@ class SSMActor(HoldsRequests):
         loaded = load_configured(config, model_config)
         self.index, self.name = index, model_config.name
         self.paged = config.server.batching.enabled
-        self.store: RequestStore[DraftState] = RequestStore(
-            config.server.request_ttl_s, on_drop=make_dropper(lambda state: self.drafter.release(state.cache)))
+        self._dropper = make_dropper(self._forget)
+        self.store: RequestStore[DraftState] = RequestStore(config.server.request_ttl_s, on_drop=self._on_drop)
         if self.paged:  # a 25% larger pool: its releases may arrive after the verifier admitted more
             pool, batcher = batching_parts(config, loaded.model, lambda: len(self.store), scale=1.25)
             self.drafter = PagedDrafter(loaded.model, index, model_config.name, pool, batcher)
@@ -86,7 +86,7 @@ class SSMActor(HoldsRequests):
         ``new_tokens``: the committed tokens from offset ``start`` on (only those this actor has not
         seen; NeedsResync when it lacks earlier ones). The cache rolls itself forward. A tree drafted
         ahead for exactly these committed tokens is used as it is. ``prefetch`` > 0: then draft ahead
-        for that many outcomes of this tree (not with a paged pool).
+        for that many outcomes of this tree.
         """
         state = self.store.get_or_create(request_id, lambda: DraftState(self.drafter.new_state()))
         if state is None:
@@ -101,13 +101,23 @@ class SSMActor(HoldsRequests):
             sync_history(state.committed, start, new_tokens)
             start_s = time.time()
             drafted, handed = state.ahead.draft(self.drafter, state.cache, state.committed, assignment,
-                                                0 if self.paged else prefetch, self.pool)
+                                                prefetch, self.pool)
             drafted = replace(drafted, draft_ms=(time.perf_counter() - began) * 1e3)
         finally:
             if not handed:
                 lock.release()
         self.timings.append(DraftTiming(request_id, start_s, time.time()))
         return drafted
+
+    def _on_drop(self, state: DraftState) -> None:
+        """Release a request's state (release, TTL sweep) once no call or prefetch of it runs; a
+        running prefetch is told to stop after the tree it is drafting."""
+        state.ahead.announce(())
+        self._dropper(state)
+
+    def _forget(self, state: DraftState) -> None:
+        state.ahead.close(self.drafter, state.cache)  # prepared entries first: a paged pool's blocks
+        self.drafter.release(state.cache)
 
     def batch_counters(self):
         return self.drafter.batcher.counters if self.paged else None

@@ -4,8 +4,9 @@
         --out bench/out/prefetch
 
 Overlap needs the SSM and the target on separate devices; here two cores stand in for them. The
-Serve app of ``--config`` runs with batching off (which prefetch needs) and ``speculation.prefetch``
-set, twice, one placement after the other:
+Serve app of ``--config`` runs with batching off (one stream at a time: batching's packed forwards
+would only add their waiting window) and ``speculation.prefetch`` set, twice, one placement after
+the other:
 
 - ``pinned``: ``server.ssm_actor.cpu_affinity`` [``--ssm-cpu``] and ``verifier.actor.cpu_affinity``
   [``--verifier-cpu``] (every thread of each process), one torch thread each;

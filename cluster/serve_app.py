@@ -82,7 +82,7 @@ class SpecInferIngress:
         if self.budget is not None:
             logger.info("tree budget: %d tree tokens per pass (verify-cost curve %s)", self.budget.cap, curve)
         self.limits = ModelLimits(self.group.names, self.group.neural, info.max_context,
-                                  prefetch=not config.server.batching.enabled and any(self.group.neural))
+                                  prefetch=any(self.group.neural))
         health = config.server.health
         self.liveness = Liveness(self.group.roles(), health.probe_timeout_s, health.retry_interval_s)
         self.active, self.draining = 0, False

@@ -49,7 +49,7 @@ class ModelLimits:
     names: tuple[str, ...]  # proposers in engine order
     neural: tuple[bool, ...]
     max_context: int | None  # the target's context (prompt + new tokens), None: unbounded
-    prefetch: bool = False  # SSMs may draft ahead during verification (engine.prefetch; not with batching)
+    prefetch: bool = False  # SSMs may draft ahead during verification (engine.prefetch): a neural SSM is deployed
 
 
 def sampling_params(request: pb.GenerateRequest, config: EngineConfig) -> SamplingParams:
@@ -106,8 +106,7 @@ def prefetch_count(s: pb.SpeculationOptions, base: SpeculationOptions, limits: M
     if not 0 <= s.prefetch <= MAX_PREFETCH:
         raise InvalidArgument("speculation.prefetch", f"must be in [0, {MAX_PREFETCH}], got {s.prefetch}")
     if s.prefetch and not limits.prefetch:
-        raise InvalidArgument("speculation.prefetch", "needs SSMs drafting beside the verifier: not available "
-                              "with continuous batching (server.batching.enabled) or without a neural SSM")
+        raise InvalidArgument("speculation.prefetch", "needs a neural SSM: this server has none")
     return s.prefetch
 
 

@@ -145,7 +145,7 @@ def choose_children(
 class ModelDrafter:
     """A neural SSM drafting a whole tree level per forward with the tree attention mask."""
 
-    can_prefetch = True  # drafts ahead (engine.prefetch) over its DynamicCache states
+    own_stream = True  # on CUDA, drafting may run on a stream of its own (on_own_stream)
 
     def __init__(self, model, proposer: int, name: str):
         self.model = model
@@ -157,9 +157,10 @@ class ModelDrafter:
 
     def on_own_stream(self) -> contextlib.AbstractContextManager:
         """On CUDA: run the drafter's work on a stream of its own (made once), so that it overlaps the
-        target's passes on the default stream (in-process prefetch); elsewhere, or for a drafter that
-        does not prefetch, a no-op. Everything a draft returns is on the CPU, so nothing crosses streams."""
-        if self.model.device.type != "cuda" or not self.can_prefetch:
+        target's passes on the default stream (in-process prefetch); elsewhere, or where the drafter's
+        forwards may run on other threads (``own_stream`` False), a no-op. Everything a draft returns
+        is on the CPU, so nothing crosses streams."""
+        if self.model.device.type != "cuda" or not self.own_stream:
             return contextlib.nullcontext()
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.model.device)
@@ -190,6 +191,8 @@ class ModelDrafter:
         else:
             self._shapes[state] = history
 
+    # -- What prefetch (engine.prefetch) does to a state besides drafting. ----------------------
+
     @torch.inference_mode()
     def forward_tokens(self, cache: DynamicCache, tokens: list[int]) -> torch.Tensor:  # -> [G, V]
         """The SSM's logits after each of ``tokens`` fed after the cached ones; the cache is left as it was."""
@@ -198,6 +201,21 @@ class ModelDrafter:
         out = self.model(input_ids=ids, **kv.cache_argument(self.model, cache), use_cache=True)
         kv.crop(cache, length)
         return out.logits[0].float().cpu()
+
+    def save_entries(self, cache: DynamicCache, start: int) -> object:
+        """A copy of the cached entries from ``start`` on (for ``restore_entries``)."""
+        return kv.tail(cache, start)
+
+    def restore_entries(self, cache: DynamicCache, start: int, saved: object) -> None:
+        """Keep the first ``start`` entries, then the saved ones, value for value."""
+        kv.restore_tail(cache, start, saved)
+
+    def drop_entries(self, cache: DynamicCache, saved: object) -> None:
+        """Saved entries that will not be restored (a copy in memory: nothing to give back)."""
+
+    def rollback(self, cache: DynamicCache, length: int) -> None:
+        """Drop the drafted levels: keep the ``length`` committed tokens."""
+        kv.crop(cache, length)
 
     @torch.inference_mode()
     def draft(
@@ -226,7 +244,7 @@ class ModelDrafter:
                 break
             logits = self._forward_level(cache, builder, frontier, cached, depth, len(committed))
             cached += frontier
-        self._rollback(cache, len(committed))
+        self.rollback(cache, len(committed))
         return builder.build()
 
     def _draft_by_cost(self, cache, committed: list[int], spec: DraftSpec) -> Proposal:
@@ -255,7 +273,7 @@ class ModelDrafter:
             logits = self._forward_level(cache, builder, frontier, cached, depth, len(committed))
             self._time_forward(level_began)
             cached += frontier
-        self._rollback(cache, len(committed))
+        self.rollback(cache, len(committed))
         return self._keep_best(builder, path, history, len(committed), (time.perf_counter() - began) * 1e3,
                                cost, limit)
 
@@ -290,10 +308,6 @@ class ModelDrafter:
             index[node] = pruned.add(index[builder.parents[node]], builder.tokens[node], None)
         history.last = (length, list(pruned.tokens), list(pruned.parents), [1.0] + [path[n] for n in kept])
         return pruned.build()
-
-    def _rollback(self, cache: DynamicCache, length: int) -> None:
-        """Drop the drafted levels: keep the ``length`` committed tokens."""
-        kv.crop(cache, length)
 
     def _extend(self, cache: DynamicCache, committed: list[int]) -> torch.Tensor:  # -> [V]
         """Feed the committed tokens the cache lacks (at least the root); logits after the root."""

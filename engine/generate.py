@@ -44,7 +44,7 @@ class LocalBackend:
             if assignment.proposer not in self.proposers:
                 self.proposers[assignment.proposer] = drafter.new_state()
             state = self.proposers[assignment.proposer]
-            if self.prefetch and isinstance(drafter, ModelDrafter) and drafter.can_prefetch:
+            if self.prefetch and isinstance(drafter, ModelDrafter):
                 drafts.append(self._draft_ahead(drafter, state, committed, assignment))
             else:
                 drafts.append(draft_with(drafter, state, committed, assignment.spec,
@@ -77,7 +77,7 @@ class LocalBackend:
             if ahead is not None:
                 ahead.announce(())  # an outcome nobody guessed: a running prefetch stops after its tree
                 with ahead.lock:
-                    ahead.job = None
+                    ahead.close(self.engine.drafters[proposer], state)
             self.engine.drafters[proposer].release(state)
         self.proposers, self.ahead = {}, {}
 

@@ -17,6 +17,7 @@ the next packed forward, before anything is written. The prefix is never copied.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -150,6 +151,20 @@ class KVStorage:
             values[target] = values[source]
 
 
+@dataclass(frozen=True)
+class SavedEntries:
+    """Copies of ``count`` of a sequence's entries, in order from the first slot of ``blocks``:
+    blocks of their own, out of the pool's unreserved ones (``PagedSequence.save``); they go back
+    with ``PagedSequence.restore`` or ``drop``."""
+
+    blocks: tuple[int, ...]
+    count: int
+
+    def slots(self, block_size: int) -> torch.Tensor:  # -> [count]
+        index = torch.arange(self.count)
+        return torch.tensor(self.blocks, dtype=torch.long)[index // block_size] * block_size + index % block_size
+
+
 class PagedSequence:
     """One request's block table in a pool: ``length`` committed entries, then ``pending`` speculative.
 
@@ -209,6 +224,30 @@ class PagedSequence:
         """Keep the first ``length`` entries (all committed); free the blocks past them."""
         self.length, self.pending = min(self.length, length), 0
         self._shrink_to(self.pool.blocks_for(self.length))
+
+    def save(self, start: int) -> SavedEntries:
+        """Copy the committed entries ``start..length-1`` into blocks of their own (the copy is a
+        recorded move, applied before the next forward writes anything, so the entries may be
+        truncated at once). PoolExhausted when no unreserved block is free: nothing changed then.
+        Example: blocks [7, 2], block size 4, length 6, start 3 -> slots [31, 8, 9] copied to the
+        first 3 slots of a new block."""
+        count = self.length - start
+        saved = SavedEntries(tuple(self.pool.allocate(self.pool.blocks_for(count), 0)), count)
+        self.pool.record_moves(self.slots(start, self.length), saved.slots(self.pool.block_size))
+        return saved
+
+    def restore(self, start: int, saved: SavedEntries) -> None:
+        """Keep the first ``start`` entries, then the saved ones as committed entries (copied back by
+        a recorded move); the saved blocks go back to the pool."""
+        self.truncate(start)
+        target = self.append(saved.count)
+        self.keep(list(range(saved.count)))
+        self.pool.record_moves(saved.slots(self.pool.block_size), target)
+        self.pool.free(list(saved.blocks))
+
+    def drop(self, saved: SavedEntries) -> None:
+        """Give the blocks of entries saved but not restored back to the pool."""
+        self.pool.free(list(saved.blocks))
 
     def release(self) -> None:
         """Give every block and the unused reservation back (idempotent)."""

@@ -17,7 +17,7 @@ import torch
 
 from .batcher import ForwardBatcher
 from .draft import DraftSpec, ModelDrafter, Proposal, TreeBuilder
-from .kv_pool import BlockPool, PagedSequence
+from .kv_pool import BlockPool, PagedSequence, SavedEntries
 from .packed import ForwardItem, PackedModel, PagedModel, chain_item
 from .tree import TokenTree, ancestor_mask, positions
 
@@ -57,7 +57,8 @@ class PagedTarget:
 class PagedDrafter(ModelDrafter):
     """A neural SSM drafting over its own pool; one forward per tree level for all requests."""
 
-    can_prefetch = False  # requests' levels share packed forwards: no drafting ahead (engine.prefetch)
+    own_stream = False  # a packed forward runs on whichever request's thread leads it: one stream for all
+
 
     def __init__(self, model, proposer: int, name: str, pool: BlockPool, batcher: ForwardBatcher):
         super().__init__(model, proposer, name)
@@ -91,8 +92,27 @@ class PagedDrafter(ModelDrafter):
                            torch.arange(len(level)))
         return self.batcher.submit(item).cpu()
 
-    def _rollback(self, state: PagedSequence, length: int) -> None:
+    def rollback(self, state: PagedSequence, length: int) -> None:
         state.truncate(length)
+
+    def forward_tokens(self, state: PagedSequence, tokens: list[int]) -> torch.Tensor:  # -> [G, V]
+        """The SSM's logits after each of ``tokens`` fed after the committed ones (one packed forward
+        with whoever else submits); the sequence is left as it was."""
+        with self.batcher.participant():
+            logits = self.batcher.submit(chain_item(state, tokens, last_only=False))  # [G, V]
+        state.truncate(state.length)
+        return logits.float().cpu()
+
+    def save_entries(self, state: PagedSequence, start: int) -> SavedEntries:
+        """The committed entries from ``start`` on, copied into blocks of their own (PoolExhausted
+        when the pool has none unreserved)."""
+        return state.save(start)
+
+    def restore_entries(self, state: PagedSequence, start: int, saved: SavedEntries) -> None:
+        state.restore(start, saved)
+
+    def drop_entries(self, state: PagedSequence, saved: SavedEntries) -> None:
+        state.drop(saved)
 
 
 def paged_parts(model, tokens: int, block_size: int = 16, window_s: float = 0.0, expected=None,

@@ -15,7 +15,10 @@ is dropped, with the KV entries it added. ``actors.ssm`` runs this beside the ve
 ``engine.generate`` (in-process: a thread drafts ahead while this one verifies; on CUDA the
 drafter's work runs on a stream of its own, ``ModelDrafter.on_own_stream``).
 
-Only ``ModelDrafter`` over a ``DynamicCache`` prefetches (not the paged, continuously batched drafter).
+A ``ModelDrafter`` over a ``DynamicCache`` keeps a prepared tree's KV entries as a copy in memory;
+a ``PagedDrafter`` (continuous batching) copies them into blocks of their own in its pool (its
+prefetch forwards join the packed forwards of the other requests) and gives them back when the
+tree is dropped.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import kv
 from .draft import DraftSpec, ModelDrafter, Proposal
+from .kv_pool import PoolExhausted
 from .shape import ShapeHistory
 from .step import Assignment, Drafted, Prefetched, draft_with
 from .tree import TokenTree, children
@@ -85,12 +88,12 @@ def path_logits(drafter: ModelDrafter, cache, committed: Sequence[int], path_tok
     """The SSM's logits at the root and after each path token: one forward over the root (fed
     again) and the path. The root's KV entry is put back as it was, so the cache is unchanged."""
     base = len(committed)
-    root = kv.tail(cache, base - 1)
-    kv.crop(cache, base - 1)
+    root = drafter.save_entries(cache, base - 1)
+    drafter.rollback(cache, base - 1)
     try:
         return drafter.forward_tokens(cache, [committed[-1]] + path_tokens)
     finally:
-        kv.restore_tail(cache, base - 1, root)
+        drafter.restore_entries(cache, base - 1, root)
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class Prepared:
     committed: Committed
     proposal: Proposal
     draft_ms: float
-    entries: tuple  # the KV entries past the step's committed length (kv.tail)
+    entries: object  # the KV entries past the step's committed length (ModelDrafter.save_entries)
     history: ShapeHistory | None  # the shape history drafting left (None: not cost-aware)
 
 
@@ -141,6 +144,15 @@ class PrefetchJob:
         with self._lock:
             return self._prepared.get(tuple(committed))
 
+    def drop(self, drafter: ModelDrafter, cache, keep: Prepared | None = None) -> None:
+        """Give back the saved entries of every prepared tree but ``keep`` (no prefetch may run:
+        with a paged pool they hold blocks of their own)."""
+        with self._lock:
+            prepared, self._prepared = self._prepared, {}
+        for entry in prepared.values():
+            if entry is not keep:
+                drafter.drop_entries(cache, entry.entries)
+
     @property
     def guesses(self) -> list[Committed]:
         with self._lock:
@@ -153,7 +165,9 @@ def prefetch(drafter: ModelDrafter, cache, committed: list[int], tree: TokenTree
     at ``committed``).
 
     The cache must hold exactly ``committed`` (as ``draft`` leaves it); it does again on return,
-    and the shape history is as before: only ``job`` keeps what was drafted.
+    and the shape history is as before: only ``job`` keeps what was drafted. With a paged pool the
+    entries of each prepared tree are copied into blocks of their own, from the pool's unreserved
+    blocks; when none is left, prefetching stops there (the trees prepared so far stay).
     """
     path, base = best_path(tree), len(committed)
     if not path or count < 1:
@@ -166,12 +180,14 @@ def prefetch(drafter: ModelDrafter, cache, committed: list[int], tree: TokenTree
             began = time.perf_counter()
             proposal = drafter.draft(cache, list(outcome), job.spec, generator_at(len(outcome)))
             draft_ms = (time.perf_counter() - began) * 1e3
-            job.add(Prepared(outcome, proposal, draft_ms, kv.tail(cache, base),
+            job.add(Prepared(outcome, proposal, draft_ms, drafter.save_entries(cache, base),
                              copy.deepcopy(drafter.shape_of(cache))))
-            kv.crop(cache, base)
+            drafter.rollback(cache, base)
             drafter.set_shape(cache, copy.deepcopy(saved))
+    except PoolExhausted:
+        logger.debug("prefetch stopped: the SSM's pool has no unreserved block left")
     finally:
-        kv.crop(cache, base)
+        drafter.rollback(cache, base)
         drafter.set_shape(cache, saved)
 
 
@@ -187,7 +203,7 @@ def record_outcome(drafter: ModelDrafter, cache, hit: bool) -> None:
 
 def install(drafter: ModelDrafter, cache, job: PrefetchJob, prepared: Prepared) -> None:
     """Make the state what drafting ``prepared`` left: its KV entries and its shape history."""
-    kv.restore_tail(cache, job.base, prepared.entries)
+    drafter.restore_entries(cache, job.base, prepared.entries)
     drafter.set_shape(cache, prepared.history)
 
 
@@ -197,6 +213,8 @@ def take_or_draft(drafter: ModelDrafter, cache, committed: list[int], assignment
     installed (a hit), or drafted now (a miss, or no prefetch ran; the cache is back at the committed
     tokens either way). The caller holds the request's lock, so no prefetch runs."""
     prepared = job.take(committed) if job is not None and job.spec == assignment.spec else None
+    if job is not None:
+        job.drop(drafter, cache, keep=prepared)
     if prepared is not None:
         install(drafter, cache, job, prepared)
         drafted = Drafted(prepared.proposal, prefetched=Prefetched(hits=1, saved_ms=prepared.draft_ms))
@@ -225,6 +243,12 @@ class Ahead:
     def announce(self, committed: Sequence[int]) -> None:
         if self.job is not None:
             self.job.want(committed)
+
+    def close(self, drafter: ModelDrafter, cache) -> None:
+        """Drop the job and what it prepared (the caller holds the lock: no prefetch runs)."""
+        job, self.job = self.job, None
+        if job is not None:
+            job.drop(drafter, cache)
 
     def draft(self, drafter: ModelDrafter, cache, committed: list[int], assignment: Assignment, count: int,
               pool: Executor) -> tuple[Drafted, bool]:

@@ -94,8 +94,8 @@ class SpeculationConfig(Strict):
     max_tree_nodes: int = Field(default=64, ge=1, le=1024, description="nodes per proposer's tree, root included")
     min_confidence: float = Field(default=0.0, ge=0.0, le=1.0, description="dynamic tree threshold")
     prefetch: int = Field(default=0, ge=0, le=8, description=(
-        "served path: while the target verifies a tree, each SSM drafts the next one for up to this many "
-        "guessed outcomes (engine.prefetch); 0: off. Not with server.batching.enabled"))
+        "while the target verifies a tree, each SSM drafts the next one for up to this many guessed "
+        "outcomes (engine.prefetch); 0: off"))
 
     @field_validator("expansion")
     @classmethod
@@ -222,10 +222,6 @@ class EngineConfig(Strict):
             raise ValueError(f"SSM names must be unique, got {names}")
         self._threads_fit_requests()
         self._offload_fits()
-        if self.speculation.prefetch and self.server.batching.enabled:
-            raise ValueError("speculation.prefetch with server.batching.enabled: prefetch drafts ahead in the "
-                             "SSM actors beside the verifier, which continuous batching does not support yet; "
-                             "set one of them off")
         return self
 
     def _offload_fits(self) -> None:

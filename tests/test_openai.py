@@ -120,7 +120,7 @@ PREFETCH = [  # (the HTTP speculation extra, the server's default, whether the s
     ({"prefetch": 3}, 0, True, 3),
     ({"prefetch": 9}, 0, True, "speculation.prefetch: must be in [0, 8], got 9"),
     ({"prefetch": -1}, 0, True, "speculation.prefetch: must be in [0, 8], got -1"),
-    ({"prefetch": 1}, 0, False, "speculation.prefetch: needs SSMs drafting beside the verifier"),
+    ({"prefetch": 1}, 0, False, "speculation.prefetch: needs a neural SSM"),  # the suffix proposer alone
     ({"prefetch": 0}, 0, False, 0),  # off is always fine
 ]
 

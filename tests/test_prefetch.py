@@ -18,12 +18,14 @@ import torch
 
 from engine import kv
 from engine.draft import DraftSpec, ModelDrafter
+from engine.kv_pool import PagedSequence
+from engine.paged_models import PagedDrafter, paged_parts
 from engine.prefetch import PrefetchJob, best_path, install, path_guesses, prefetch, record_outcome
 from engine.sampling import SamplingParams, make_generator, stream_seed
 from engine.shape import TreeCost
 from engine.step import Assignment
 from engine.tree import TokenTree
-from serving_fixtures import (local_engine, ray_session, serving, tiny_args,  # noqa: F401  (fixtures)
+from serving_fixtures import (ingress, local_engine, ray_session, serving, tiny_args,  # noqa: F401  (fixtures)
                               tiny_models)
 from tiny_models import tiny_model
 
@@ -103,19 +105,41 @@ def test_a_job_stops_once_the_wanted_outcome_is_known():
     assert job.next_guess() is None
 
 
+def test_saved_entries_are_moved_aside_and_back_and_their_blocks_return():
+    """PagedSequence.save/restore record moves (applied by the next forward) and hold a block of
+    their own in between: entries 3..5 of a sequence in blocks of 4 go to a fresh block and back."""
+    from engine.kv_pool import BlockPool
+
+    pool = BlockPool(num_blocks=8, block_size=4)
+    sequence = PagedSequence(pool)
+    sequence.append(6)
+    sequence.keep(list(range(6)))
+    pool.take_moves()
+    held = pool.num_free
+    saved = sequence.save(3)
+    aside = saved.slots(pool.block_size)
+    assert saved.count == 3 and len(saved.blocks) == 1 and pool.num_free == held - 1
+    assert torch.equal(pool.take_moves(), torch.stack([sequence.slots(3, 6), aside]))
+    sequence.truncate(3)
+    sequence.restore(3, saved)
+    assert sequence.length == 6 and pool.num_free == held
+    assert torch.equal(pool.take_moves(), torch.stack([aside, sequence.slots(3, 6)]))
+    sequence.drop(sequence.save(4))  # saved, then not wanted: its block goes back
+    assert pool.num_free == held
+
+
 # --- settings -------------------------------------------------------------------------------
 
 
-def test_prefetch_with_batching_is_a_config_error(tiny_args):
+@pytest.mark.parametrize("batching", [True, False])
+def test_prefetch_in_the_config_is_bounded(tiny_args, batching):
     from settings.config import EngineConfig
 
-    args = {**tiny_args, "speculation": {**tiny_args["speculation"], "prefetch": 2}}
-    with pytest.raises(ValueError, match="speculation.prefetch with server.batching.enabled"):
-        EngineConfig.model_validate(args)
-    unbatched = {**args, "server": {**args["server"], "batching": {"enabled": False}}}
-    assert EngineConfig.model_validate(unbatched).speculation.prefetch == 2
+    server = {**tiny_args["server"], "batching": {**tiny_args["server"]["batching"], "enabled": batching}}
+    args = {**tiny_args, "server": server, "speculation": {**tiny_args["speculation"], "prefetch": 2}}
+    assert EngineConfig.model_validate(args).speculation.prefetch == 2
     with pytest.raises(ValueError, match="less than or equal to 8"):
-        EngineConfig.model_validate({**unbatched, "speculation": {"prefetch": 9}})
+        EngineConfig.model_validate({**args, "speculation": {"prefetch": 9}})
 
 
 @pytest.mark.parametrize("cpus,error", [([], "at least one CPU"), ([-1], "at least one CPU"), ([0], None),
@@ -189,11 +213,31 @@ def ssm():
     return tiny_model("llama", vocab_size=61, layers=2, seed=3, hidden=32)
 
 
-def cache_state(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+def make_drafter(kind: str, ssm, name: str) -> ModelDrafter:
+    """A plain drafter (DynamicCache) or a paged one over a pool of its own (blocks of 4 slots, so
+    entries cross block boundaries)."""
+    if kind == "plain":
+        return ModelDrafter(ssm, 0, name)
+    pool, batcher = paged_parts(ssm, tokens=512, block_size=4)
+    return PagedDrafter(ssm, 0, name, pool, batcher)
 
 
-def same_cache(a, b) -> bool:
+def entries(drafter: ModelDrafter, state) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's (keys, values) of the state's committed entries."""
+    if isinstance(state, PagedSequence):
+        storage = drafter.batcher.model.runner.storage
+        storage.move(drafter.pool.take_moves())  # what the next forward would apply first
+        slots = state.slots(0, state.length)
+        return [(k[slots].clone(), v[slots].clone()) for k, v in zip(storage.keys, storage.values)]
+    return [(layer.keys[0, :, :].transpose(0, 1).clone(), layer.values[0].transpose(0, 1).clone())
+            for layer in state.layers]
+
+
+def length(state) -> int:
+    return state.length if isinstance(state, PagedSequence) else kv.cache_length(state)
+
+
+def same_entries(a, b) -> bool:
     return all(torch.equal(ka, kb) and torch.equal(va, vb) for (ka, va), (kb, vb) in zip(a, b))
 
 
@@ -203,37 +247,57 @@ def same_proposal(a, b) -> bool:
             and torch.equal(a.draws.node, b.draws.node) and same_q)
 
 
+@pytest.mark.parametrize("kind", ["plain", "paged"])
 @pytest.mark.parametrize("name,spec", SPECS, ids=[name for name, _ in SPECS])
-def test_a_prepared_tree_is_the_tree_drafted_after_the_verdict(ssm, name, spec):
+def test_a_prepared_tree_is_the_tree_drafted_after_the_verdict(ssm, name, spec, kind):
     """For every guessed outcome: the prepared proposal equals the one a second drafter makes from
     the same history at that outcome; installing it leaves the same KV entries and shape history.
-    Meanwhile the state is as before: cache entries and history untouched."""
+    Meanwhile the state is as before: cache entries and history untouched. Paged: the prepared
+    entries' blocks all go back once the others are dropped."""
     assignment, committed = Assignment(0, spec), [4, 9, 17, 3, 22]
     hits = 3 if name.endswith("overlapped") else 0
-    ahead = ModelDrafter(ssm, 0, "ahead")
+    ahead = make_drafter(kind, ssm, "ahead")
     state = ahead.new_state()  # two drafts, so a cost-aware history has scored a tree
     drafted = drafted_through(ahead, state, [committed[:3], committed], assignment, hits)
     assert not hits or ahead.shape_of(state).overlap > 0.5
-    before, history = cache_state(state), copy.deepcopy(ahead.shape_of(state))
+    before, history = entries(ahead, state), copy.deepcopy(ahead.shape_of(state))
     job = PrefetchJob(len(committed), spec)
     prefetch(ahead, state, committed, drafted.tree, assignment.generator, 8, job)  # every cut
-    assert same_cache(cache_state(state), before) and kv.cache_length(state) == len(committed)
+    assert same_entries(entries(ahead, state), before) and length(state) == len(committed)
     assert ahead.shape_of(state) == history
     assert len(job.guesses) == len(best_path(drafted.tree)) + 1  # the whole path, cuts at depth 0..
     assert min(len(outcome) for outcome in job.guesses) == len(committed) + 1  # the cut at the root
-    for index, outcome in enumerate(job.guesses):
+    prepared_trees = {outcome: job.take(outcome) for outcome in job.guesses}
+    for index, (outcome, prepared) in enumerate(prepared_trees.items()):
         assert outcome[:len(committed)] == tuple(committed) and len(outcome) > len(committed)
-        normal = ModelDrafter(ssm, 0, "normal")
+        normal = make_drafter(kind, ssm, "normal")
         reference = normal.new_state()
         drafted_through(normal, reference, [committed[:3], committed], assignment, hits)
         expected = normal.draft(reference, list(outcome), spec, assignment.generator(len(outcome)))
-        prepared = job.take(outcome)
         assert same_proposal(prepared.proposal, expected), f"outcome {index} of {name}"
         assert prepared.history == normal.shape_of(reference)
         if index == 0:  # install the first: the state is the normal path's
+            job.drop(ahead, state, keep=prepared)
             install(ahead, state, job, prepared)
-            assert same_cache(cache_state(state), cache_state(reference))
+            assert same_entries(entries(ahead, state), entries(normal, reference)) and length(state) == len(outcome)
             assert ahead.shape_of(state) == normal.shape_of(reference)
+    if kind == "paged":
+        assert ahead.pool.num_free == ahead.pool.num_blocks - len(state.blocks)
+
+
+def test_a_paged_prefetch_without_a_free_block_stops_and_leaves_the_state_as_it_was(ssm):
+    """Every block of the pool is reserved by the request itself: saving the root's entry finds no
+    unreserved block, so nothing is prepared, nothing is raised, and the state is untouched."""
+    spec = DraftSpec((2, 2, 1))
+    pool, batcher = paged_parts(ssm, tokens=16, block_size=4)
+    drafter, committed = PagedDrafter(ssm, 0, "ssm", pool, batcher), [4, 9, 17, 3, 22]
+    state = drafter.new_state(reserve_tokens=16)
+    drafted = drafter.draft(state, committed, spec, make_generator(0, 1, 5))
+    before, job = entries(drafter, state), PrefetchJob(len(committed), spec)
+    prefetch(drafter, state, committed, drafted.tree, Assignment(0, spec).generator, 2, job)
+    assert job.guesses == [] and same_entries(entries(drafter, state), before) and state.length == len(committed)
+    state.release()
+    assert pool.counts() == (pool.num_blocks, pool.num_blocks, pool.num_blocks)
 
 
 def test_a_released_drafter_state_drops_a_prefetched_history(ssm):
@@ -390,7 +454,42 @@ def test_a_seeded_sampled_request_gives_the_same_tokens_with_prefetch_on_and_off
 
 
 @pytest.mark.ray
-def test_bad_prefetch_values_are_invalid_argument(prefetch_app, serving):
+def test_served_prefetch_with_continuous_batching_is_the_targets_own_output(serving, ingress, local_engine,
+                                                                             target_model):
+    """The shared app batches (paged pools, packed forwards): two concurrent greedy requests with
+    prefetch 2 get the target's own tokens, their SSMs drafted ahead (in the packed forwards of
+    both), and every pool block comes back, the prepared trees' included."""
+    import threading
+
+    import ray
+
+    from cluster.serve_client import Client, build_request
+    from serving_fixtures import wait_until
+    from tests.test_serving import pools_settled
+
+    verifier = ingress.actors.remote().result()["verifier"]
+    ray.get(verifier.hold_next_batch.remote(2))  # both prefills share a forward: the two run side by side
+    replies: list = [None] * len(PROMPTS)
+
+    def ask(index: int) -> None:
+        with Client(serving) as client:
+            replies[index] = client.generate(build_request(PROMPTS[index], max_new_tokens=32, prefetch=2), timeout=300)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    for prompt, reply in zip(PROMPTS, replies):
+        ids = local_engine.tokenizer.encode(prompt)
+        reference = target_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32)[0, len(ids):]
+        assert list(reply.token_ids) == reference.tolist()
+    assert sum(r.stats.prefetch_hits + r.stats.prefetch_misses for r in replies) > 0
+    assert wait_until(lambda: pools_settled(ingress), timeout_s=60)
+
+
+@pytest.mark.ray
+def test_bad_prefetch_values_are_invalid_argument(prefetch_app):
     from cluster.serve_client import Client, build_request
 
     address, _ = prefetch_app
@@ -399,11 +498,6 @@ def test_bad_prefetch_values_are_invalid_argument(prefetch_app, serving):
             client.generate(build_request(PROMPTS[0], max_new_tokens=4, prefetch=9), timeout=60)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "speculation.prefetch" in error.value.details() and "[0, 8]" in error.value.details()
-    with Client(serving) as client:  # the shared app batches: no prefetch there
-        with pytest.raises(grpc.RpcError) as error:
-            client.generate(build_request(PROMPTS[0], max_new_tokens=4, prefetch=1), timeout=60)
-        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "speculation.prefetch" in error.value.details() and "batching" in error.value.details()
 
 
 @pytest.mark.ray
