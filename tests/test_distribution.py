@@ -17,6 +17,8 @@ Every chi-square test uses fixed seeds, so it is deterministic; the statistics a
 
 from __future__ import annotations
 
+import copy
+
 import itertools
 import json
 from collections import Counter
@@ -568,6 +570,31 @@ def test_seeded_requests_are_reproducible(tiny_engine, options):
     assert run(5) == run(5)
     outputs = [run(seed) for seed in range(6)]
     assert len(set(outputs)) >= 4  # different seeds, different samples
+
+
+@pytest.fixture(scope="module")
+def self_drafting_engine(tiny_models) -> SpeculativeEngine:
+    """The target drafting for itself (a copy): its trees are often accepted, so its guesses hit."""
+    target, _ = tiny_models
+    return SpeculativeEngine(TargetModel(target), [ModelDrafter(copy.deepcopy(target), 0, "self")],
+                             tiny_tokenizer(E2E_VOCAB), eos_ids=())
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("options", REPRO_OPTIONS, ids=["tree sampled", "tree without replacement", "sequence"])
+def test_seeded_output_is_the_same_with_prefetch(tiny_engine, self_drafting_engine, options):
+    """With prefetch (trees drafted ahead while the target verifies) each seed gives the tokens it
+    gives without: as a function of the seed the output is unchanged, so its distribution is the
+    one the tests above check. Some prepared trees were used (hits), not only discarded."""
+    hits = 0
+    for engine in (tiny_engine, self_drafting_engine):
+        for seed in range(6):
+            sampling = SamplingParams(temperature=0.9, top_k=12, top_p=0.95, seed=seed)
+            off, on = (engine.generate(GenerationRequest(E2E_PROMPT, 12, sampling, replace(options, prefetch=n)))
+                       for n in (0, 4))
+            assert on.token_ids == off.token_ids
+            hits += on.stats.prefetch_hits
+    assert hits > 0
 
 
 # ---------------------------------------------------------------------------------------------
