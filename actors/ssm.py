@@ -11,7 +11,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from transformers import DynamicCache
 
@@ -91,22 +91,17 @@ class SSMActor(HoldsRequests):
         state = self.store.get_or_create(request_id, lambda: DraftState(self.drafter.new_state()))
         if state is None:
             return None
-        began = time.perf_counter()
-        state.ahead.announce(state.committed[:start] + list(new_tokens))  # a running prefetch stops after its tree
-        lock, handed = state.guard.lock, False
-        lock.acquire()  # a prefetch in flight holds it: its tree for this outcome, if any, is then ready
-        try:
+        committed, start_s = state.committed[:start] + list(new_tokens), time.time()
+
+        def ready() -> bool:  # with the request's lock
             if state.guard.dropped:
-                return None
+                return False
             sync_history(state.committed, start, new_tokens)
-            start_s = time.time()
-            drafted, handed = state.ahead.draft(self.drafter, state.cache, state.committed, assignment,
-                                                prefetch, self.pool)
-            drafted = replace(drafted, draft_ms=(time.perf_counter() - began) * 1e3)
-        finally:
-            if not handed:
-                lock.release()
-        self.timings.append(DraftTiming(request_id, start_s, time.time()))
+            return True
+
+        drafted = state.ahead.draft(self.drafter, state.cache, committed, assignment, prefetch, self.pool, ready)
+        if drafted is not None:
+            self.timings.append(DraftTiming(request_id, start_s, time.time()))
         return drafted
 
     def _on_drop(self, state: DraftState) -> None:

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.gpu_common import IdTokenizer, synchronize  # noqa: E402
 from engine.budget import time_tree_pass  # noqa: E402
 from engine.draft import ModelDrafter  # noqa: E402
 from engine.generate import SpeculativeEngine  # noqa: E402
@@ -46,11 +47,6 @@ SHAPES = {  # Qwen2.5-Coder-1.5B's shape; "tiny" for a CPU smoke test
 }
 METHODS = {"incremental": ("incremental", (1,)), "sequence:4": ("sequence", (1,)),
            "tree": ("tree", (4, 2, 2, 1, 1, 1, 1, 1))}
-
-
-class IdTokenizer:
-    def decode(self, ids, skip_special_tokens=True) -> str:
-        return " ".join(map(str, ids))
 
 
 class NoTokenizer:
@@ -71,11 +67,6 @@ def write_model(shape: str, directory: Path) -> None:
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(directory)
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def curve(target: TargetModel, device: str, sizes: list[int], prefix: int = 512) -> dict[int, float]:

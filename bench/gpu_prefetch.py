@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.gpu_common import IdTokenizer, synchronize  # noqa: E402
 from engine.draft import ModelDrafter  # noqa: E402
 from engine.generate import SpeculativeEngine  # noqa: E402
 from engine.requests import GenerationRequest, SpeculationOptions  # noqa: E402
@@ -58,11 +59,6 @@ SHAPES = {  # (target, SSM): Qwen2.5-Coder 1.5B and 0.5B; "tiny" for a CPU smoke
          "tie_word_embeddings": False}),
 }
 METHODS = ("incremental", "tree, prefetch off", "tree, prefetch on")
-
-
-class IdTokenizer:
-    def decode(self, ids, skip_special_tokens=True) -> str:
-        return " ".join(map(str, ids))
 
 
 def rules(vocab: int, agreement: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:  # -> [V], [V]
@@ -107,11 +103,6 @@ def follow(rule: torch.Tensor, last: int, count: int) -> list[int]:
         last = int(rule[last])
         out.append(last)
     return out
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def options(method: str, expansion: tuple[int, ...], prefetch: int) -> SpeculationOptions:

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.gpu_common import synchronize  # noqa: E402
 from engine import kv  # noqa: E402
 from engine.target import TargetModel  # noqa: E402
 from engine.tree import TokenTree  # noqa: E402
@@ -52,11 +53,6 @@ def build_model(shape: str, device: str, dtype: torch.dtype):
     with torch.device(device):
         model = LlamaForCausalLM(config)
     return model.to(dtype).eval()
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def time_tree(target: TargetModel, state, prefix: int, size: int, repeats: int, device: str) -> float:

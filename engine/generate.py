@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Iterator, Sequence
 
 from .draft import ModelDrafter
@@ -52,18 +50,9 @@ class LocalBackend:
         return merge_drafts(drafts, committed[-1], sum(d.draft_ms for d in drafts))  # drafted one after another
 
     def _draft_ahead(self, drafter: ModelDrafter, state, committed: list[int], assignment: Assignment) -> Drafted:
-        """The prepared tree or a new one, then a prefetch on the engine's pool (it holds the
-        proposer's lock until it is done; the next call waits for it)."""
-        began, ahead = time.perf_counter(), self.ahead.setdefault(assignment.proposer, Ahead())
-        ahead.announce(committed)
-        ahead.lock.acquire()
-        handed = False
-        try:
-            drafted, handed = ahead.draft(drafter, state, list(committed), assignment, self.prefetch, self.engine.pool)
-        finally:
-            if not handed:
-                ahead.lock.release()
-        return replace(drafted, draft_ms=(time.perf_counter() - began) * 1e3)
+        """The prepared tree or a new one, then a prefetch on the engine's pool."""
+        ahead = self.ahead.setdefault(assignment.proposer, Ahead())
+        return ahead.draft(drafter, state, committed, assignment, self.prefetch, self.engine.pool)
 
     async def verify(self, drafted: Drafted) -> StepOutcome:
         return verify_and_commit(self.engine.target, self.target_state, drafted, self.sampling, self.generator)
@@ -73,11 +62,8 @@ class LocalBackend:
         once no prefetch runs on it."""
         self.engine.target.release(self.target_state)
         for proposer, state in self.proposers.items():
-            ahead = self.ahead.get(proposer)
-            if ahead is not None:
-                ahead.announce(())  # an outcome nobody guessed: a running prefetch stops after its tree
-                with ahead.lock:
-                    ahead.close(self.engine.drafters[proposer], state)
+            if proposer in self.ahead:
+                self.ahead[proposer].release(self.engine.drafters[proposer], state)
             self.engine.drafters[proposer].release(state)
         self.proposers, self.ahead = {}, {}
 

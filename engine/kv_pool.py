@@ -151,6 +151,13 @@ class KVStorage:
             values[target] = values[source]
 
 
+def block_slots(blocks, block_size: int, start: int, stop: int) -> torch.Tensor:  # -> [stop - start]
+    """Pool slots of entries ``start..stop-1`` of a block table. Example: blocks [7, 2], block size
+    4, entries 3..5 -> slots [31, 8, 9]."""
+    index = torch.arange(start, stop)
+    return torch.tensor(blocks, dtype=torch.long)[index // block_size] * block_size + index % block_size
+
+
 @dataclass(frozen=True)
 class SavedEntries:
     """Copies of ``count`` of a sequence's entries, in order from the first slot of ``blocks``:
@@ -161,8 +168,7 @@ class SavedEntries:
     count: int
 
     def slots(self, block_size: int) -> torch.Tensor:  # -> [count]
-        index = torch.arange(self.count)
-        return torch.tensor(self.blocks, dtype=torch.long)[index // block_size] * block_size + index % block_size
+        return block_slots(self.blocks, block_size, 0, self.count)
 
 
 class PagedSequence:
@@ -191,11 +197,8 @@ class PagedSequence:
         return self.epoch != self.pool.epoch
 
     def slots(self, start: int, stop: int) -> torch.Tensor:  # -> [stop - start]
-        """Pool slots of entries ``start..stop-1``. Example: blocks [7, 2], block size 4,
-        entries 3..5 -> slots [31, 8, 9]."""
-        index = torch.arange(start, stop)
-        table = torch.tensor(self.blocks, dtype=torch.long)
-        return table[index // self.pool.block_size] * self.pool.block_size + index % self.pool.block_size
+        """Pool slots of entries ``start..stop-1`` (``block_slots``)."""
+        return block_slots(self.blocks, self.pool.block_size, start, stop)
 
     def append(self, count: int) -> torch.Tensor:  # -> [count] slots of the new speculative entries
         end = self.length + self.pending

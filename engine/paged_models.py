@@ -59,7 +59,6 @@ class PagedDrafter(ModelDrafter):
 
     own_stream = False  # a packed forward runs on whichever request's thread leads it: one stream for all
 
-
     def __init__(self, model, proposer: int, name: str, pool: BlockPool, batcher: ForwardBatcher):
         super().__init__(model, proposer, name)
         self.pool, self.batcher = pool, batcher
@@ -98,8 +97,7 @@ class PagedDrafter(ModelDrafter):
     def forward_tokens(self, state: PagedSequence, tokens: list[int]) -> torch.Tensor:  # -> [G, V]
         """The SSM's logits after each of ``tokens`` fed after the committed ones (one packed forward
         with whoever else submits); the sequence is left as it was."""
-        with self.batcher.participant():
-            logits = self.batcher.submit(chain_item(state, tokens, last_only=False))  # [G, V]
+        logits = self.batcher.submit(chain_item(state, tokens, last_only=False))  # [G, V]
         state.truncate(state.length)
         return logits.float().cpu()
 

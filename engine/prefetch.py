@@ -6,9 +6,9 @@ token, step t+1's root), so each prepared tree is drafted for a guessed committe
 ``committed + path[:d] + (guess,)``, d >= 0. The SSM guesses from its own tree and one forward over
 the root and its best path (``path_guesses``). A prepared tree is computed exactly as the normal
 draft would be: the same cache prefix, the same tokens fed in one forward, the same generator
-(made from the committed length, ``engine.step.Assignment.generator``) and the same shape history. So when the
-verdict matches a guess, the prepared tree *is* the tree the normal path would draft; otherwise it
-is dropped, with the KV entries it added. ``actors.ssm`` runs this beside the verifier.
+(made from the committed length, ``engine.step.Assignment.generator``) and the same shape
+history. So when the verdict matches a guess, the prepared tree *is* the tree the normal path
+would draft; otherwise it is dropped, with the KV entries it added. ``actors.ssm`` runs this beside the verifier.
 
 ``Ahead`` is one request's drafting with prefetch on one proposer, the same for both transports:
 ``actors.ssm`` (the SSM actor drafts ahead while the merge actor and the verifier work) and
@@ -212,54 +212,73 @@ def take_or_draft(drafter: ModelDrafter, cache, committed: list[int], assignment
     """The step's tree at ``committed``: the one drafted ahead for exactly these tokens and this spec,
     installed (a hit), or drafted now (a miss, or no prefetch ran; the cache is back at the committed
     tokens either way). The caller holds the request's lock, so no prefetch runs."""
-    prepared = job.take(committed) if job is not None and job.spec == assignment.spec else None
-    if job is not None:
-        job.drop(drafter, cache, keep=prepared)
+    if job is None:
+        return draft_with(drafter, cache, committed, assignment.spec, assignment.generator(len(committed)))
+    prepared = job.take(committed) if job.spec == assignment.spec else None
+    job.drop(drafter, cache, keep=prepared)
     if prepared is not None:
         install(drafter, cache, job, prepared)
         drafted = Drafted(prepared.proposal, prefetched=Prefetched(hits=1, saved_ms=prepared.draft_ms))
     else:
         drafted = draft_with(drafter, cache, committed, assignment.spec, assignment.generator(len(committed)))
-        drafted = replace(drafted, prefetched=Prefetched(misses=int(job is not None)))
-    if job is not None:
-        record_outcome(drafter, cache, prepared is not None)
+        drafted = replace(drafted, prefetched=Prefetched(misses=1))
+    record_outcome(drafter, cache, prepared is not None)
     return drafted
 
 
 class Ahead:
     """One request's drafting on one proposer with prefetch: the lock a prefetch holds while it
-    drafts, and its job.
-
-    A draft call ``announce``s its committed tokens (a running prefetch then stops after the tree
-    they need), takes ``lock`` (so waits for the prefetch) and calls ``draft``: the prepared tree or
-    a new one, then, with ``count`` > 0, a new prefetch on ``pool``, to which the lock is handed.
-    ``draft`` returns whether it was; if not, the caller releases the lock.
-    """
+    drafts, and its job. The SSM actor passes its request guard's lock, so dropping the state
+    waits for a prefetch too."""
 
     def __init__(self, lock: threading.Lock | None = None):
         self.lock = lock if lock is not None else threading.Lock()
         self.job: PrefetchJob | None = None
 
     def announce(self, committed: Sequence[int]) -> None:
-        if self.job is not None:
-            self.job.want(committed)
+        """Name the outcome to a running prefetch: it stops after the tree it needs (or at once)."""
+        job = self.job
+        if job is not None:
+            job.want(committed)
+
+    def draft(self, drafter: ModelDrafter, cache, committed: list[int], assignment: Assignment, count: int,
+              pool: Executor, ready: Callable[[], bool] = lambda: True) -> Drafted | None:
+        """The step's tree: ``announce`` the committed tokens, take the lock (so wait for the prefetch),
+        take the prepared tree or draft one, then, with ``count`` > 0, hand the lock to a new prefetch
+        on ``pool`` (the next call waits for it). ``ready()``, called with the lock held, may refuse
+        (None: the state was dropped) or bring the state up to ``committed``. ``draft_ms`` counts the
+        wait."""
+        began = time.perf_counter()
+        self.announce(committed)
+        self.lock.acquire()
+        handed = False
+        try:
+            if not ready():
+                return None
+            job, self.job = self.job, None
+            with drafter.on_own_stream():
+                drafted = take_or_draft(drafter, cache, committed, assignment, job)
+            if count > 0 and drafted.proposal.tree.size > 1:
+                self.job = PrefetchJob(len(committed), assignment.spec)
+                pool.submit(self._run, drafter, cache, list(committed), drafted.proposal.tree, assignment, count,
+                            self.job)
+                handed = True
+            return replace(drafted, draft_ms=(time.perf_counter() - began) * 1e3)
+        finally:
+            if not handed:
+                self.lock.release()
 
     def close(self, drafter: ModelDrafter, cache) -> None:
-        """Drop the job and what it prepared (the caller holds the lock: no prefetch runs)."""
+        """Drop the job and what it prepared. The caller holds the lock (no prefetch runs)."""
         job, self.job = self.job, None
         if job is not None:
             job.drop(drafter, cache)
 
-    def draft(self, drafter: ModelDrafter, cache, committed: list[int], assignment: Assignment, count: int,
-              pool: Executor) -> tuple[Drafted, bool]:
-        job, self.job = self.job, None
-        with drafter.on_own_stream():
-            drafted = take_or_draft(drafter, cache, committed, assignment, job)
-        if count < 1 or drafted.proposal.tree.size <= 1:
-            return drafted, False
-        self.job = PrefetchJob(len(committed), assignment.spec)
-        pool.submit(self._run, drafter, cache, list(committed), drafted.proposal.tree, assignment, count, self.job)
-        return drafted, True
+    def release(self, drafter: ModelDrafter, cache) -> None:
+        """``close`` once a running prefetch has stopped (told at once: nobody wants its trees)."""
+        self.announce(())
+        with self.lock:
+            self.close(drafter, cache)
 
     def _run(self, drafter: ModelDrafter, cache, committed: list[int], tree: TokenTree, assignment: Assignment,
              count: int, job: PrefetchJob) -> None:

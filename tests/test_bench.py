@@ -521,7 +521,8 @@ def test_step_profile(records, expected):
 def test_gpu_prefetch_rules_are_permutations_that_agree_on_the_share(agreement, same):
     target, ssm = _bench_script("gpu_prefetch").rules(512, agreement, seed=1)
     assert sorted(target.tolist()) == sorted(ssm.tolist()) == list(range(512))
-    assert abs(int((target == ssm).sum()) - same) <= 512 * (1.0 - agreement) * 0.05 + 1  # a shuffle's fixed points
+    agree = int((target == ssm).sum())  # the kept share, plus the few tokens a shuffle leaves in place
+    assert same <= agree <= same + 5
 
 
 @pytest.mark.parametrize("agreement", [1.0, 0.6])
