@@ -102,8 +102,27 @@ def sweep_interval(ttl_s: float) -> float:
     return max(1.0, ttl_s / 4)
 
 
+MEMORY_FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
+
+
+def process_memory() -> dict[str, float]:
+    """This process's memory in MB (``/proc/self/status``): VmRSS (resident), RssAnon (its heap:
+    weights copied out of their files, KV pools, buffers), RssFile (mapped files), VmHWM (the
+    resident peak). Empty where /proc is missing."""
+    try:
+        with open("/proc/self/status") as status:
+            lines = [line.split() for line in status if line.startswith(MEMORY_FIELDS)]
+    except OSError:
+        return {}
+    return {fields[0].rstrip(":"): int(fields[1]) / 1024 for fields in lines}
+
+
 class HoldsRequests:
     """Per-request state in ``self.store`` (a RequestStore): release, TTL sweep, and a count."""
+
+    def memory(self) -> dict[str, float]:
+        """The actor process's memory in MB (``process_memory``), for bench/memory.py."""
+        return process_memory()
 
     def release(self, request_id: str) -> bool:
         return self.store.release(request_id)

@@ -32,7 +32,8 @@ from .tensor_parallel import TensorParallelPagedModel, TensorParallelTarget
 def batcher_for(config: EngineConfig, model: PackedModel, expected: Callable[[], int]) -> ForwardBatcher:
     """A batcher over ``model`` with the configured wait for other requests' forwards."""
     batching = config.server.batching
-    return ForwardBatcher(model, batching.window_ms / 1e3, expected, batching.window_fraction)
+    return ForwardBatcher(model, batching.window_ms / 1e3, expected, batching.window_fraction,
+                          batching.prefill_chunk_tokens)
 
 
 def batching_parts(config: EngineConfig, model, expected: Callable[[], int],
@@ -40,7 +41,7 @@ def batching_parts(config: EngineConfig, model, expected: Callable[[], int],
     """The pool (``kv_cache_tokens`` x ``scale`` token slots) and batcher for one model in this process."""
     b = config.server.batching
     return paged_parts(model, int(b.kv_cache_tokens * scale), b.block_size, b.window_ms / 1e3, expected,
-                       b.window_fraction)
+                       b.window_fraction, b.prefill_chunk_tokens)
 
 
 def check_shardable(model_config, tensor_parallel_size: int) -> None:

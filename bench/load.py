@@ -16,6 +16,9 @@ Figures per (method, level):
   the time per output token after the first (vLLM's TPOT). Queueing and prefill show up in the
   time to first token only; requests with fewer than 2 new tokens are left out.
 * ``ttft_ms_p50`` / ``_p95``: from sending the request to the first chunk that carries a token.
+* ``tree_nodes_mean``, ``plain_step_share``: the tree sizes the server chose, over every verify
+  step of the level (the final chunk's ``stats.tree_sizes``): mean drafted nodes per step, and the
+  share of steps that drafted none.
 * ``requests``, ``total_tokens``, ``errors`` (failed calls such as RESOURCE_EXHAUSTED, with a few
   distinct messages in ``error_examples``); failed requests count in no other figure.
 * ``identical_across_concurrency`` (per method): every successful request of one prompt got the
@@ -62,6 +65,7 @@ class LoadRequest:
     ttft_ms: float | None
     latency_ms: float
     error: str | None = None
+    tree_sizes: tuple[int, ...] = ()  # drafted nodes (root excluded) of each verify step, from the final stats
 
     @property
     def ms_per_token(self) -> float | None:
@@ -89,7 +93,8 @@ class LoadLevel:
 
     @classmethod
     def from_json(cls, data: dict) -> "LoadLevel":
-        requests = tuple(LoadRequest(**{**r, "token_ids": tuple(r["token_ids"])}) for r in data["requests"])
+        requests = tuple(LoadRequest(**{**r, "token_ids": tuple(r["token_ids"]),
+                                        "tree_sizes": tuple(r.get("tree_sizes", ()))}) for r in data["requests"])
         return cls(data["method"], int(data["concurrency"]), float(data["wall_s"]), requests)
 
 
@@ -116,17 +121,19 @@ def timed_stream(client, prompt_id: str, request, timeout_s: float) -> LoadReque
     import grpc
 
     token_ids: list[int] = []
-    ttft_ms = None
+    ttft_ms, sizes = None, ()
     started = time.perf_counter()
     try:
         for chunk in client.stream(request, timeout=timeout_s):
             if chunk.token_ids and ttft_ms is None:
                 ttft_ms = (time.perf_counter() - started) * 1e3
             token_ids.extend(chunk.token_ids)
+            if chunk.HasField("stats"):
+                sizes = tuple(chunk.stats.tree_sizes)
     except grpc.RpcError as error:
         latency_ms = (time.perf_counter() - started) * 1e3
         return LoadRequest(prompt_id, tuple(token_ids), ttft_ms, latency_ms, f"{error.code().name}: {error.details()}")
-    return LoadRequest(prompt_id, tuple(token_ids), ttft_ms, (time.perf_counter() - started) * 1e3)
+    return LoadRequest(prompt_id, tuple(token_ids), ttft_ms, (time.perf_counter() - started) * 1e3, None, sizes)
 
 
 def run_worker(plan: LoadPlan, jobs: queue.Queue, results: dict, start: threading.Barrier) -> None:
@@ -235,7 +242,16 @@ def level_summary(level: LoadLevel) -> dict:
             "total_tokens": tokens, "wall_s": level.wall_s,
             "aggregate_tokens_per_s": tokens / level.wall_s if level.wall_s > 0 else None,
             **percentiles("ms_per_token", per_token),
-            **percentiles("ttft_ms", [r.ttft_ms for r in succeeded if r.ttft_ms is not None])}
+            **percentiles("ttft_ms", [r.ttft_ms for r in succeeded if r.ttft_ms is not None]),
+            **tree_size_summary([size for r in succeeded for size in r.tree_sizes])}
+
+
+def tree_size_summary(sizes: Sequence[int]) -> dict:
+    """The chosen tree sizes over a level's steps: mean drafted nodes per step (root excluded) and
+    the share of steps that drafted none (plain decoding). Example: [0, 2, 4, 0] -> 1.5, 0.5."""
+    if not sizes:
+        return {"tree_nodes_mean": None, "plain_step_share": None}
+    return {"tree_nodes_mean": float(np.mean(sizes)), "plain_step_share": sum(s == 0 for s in sizes) / len(sizes)}
 
 
 def identical_across_concurrency(levels: Sequence[LoadLevel]) -> bool | None:

@@ -12,6 +12,8 @@ each send one ``GenerateStream`` at once (greedy, prompts cycled) and read it to
 request / wall time from the first send to the last end), per-request finish reasons, and the
 KV pool counts (free, unreserved, total blocks) of the verifier and each SSM once every request
 has ended; ``settled`` is true when each pool is back to its total and no actor holds a request.
+Each process's memory (VmRSS, RssAnon, RssFile, VmHWM in MB: the ingress and every actor) is read
+once the server is ready and again after the streams (``memory_mb_ready``, ``memory_mb_after``).
 Stops Serve and Ray when done. Bounded: every call has a deadline (``--timeout``).
 """
 
@@ -106,6 +108,19 @@ def pool_report(timeout_s: float = 60.0) -> dict:
         time.sleep(0.5)
 
 
+def memory_report() -> dict[str, dict[str, float]]:
+    """Each process's memory in MB by role: the ingress replica, the verifier, merge, ssm/<name>."""
+    import ray
+    from ray import serve
+
+    from settings.config import APP_NAME
+
+    handle = serve.get_app_handle(APP_NAME)
+    actors = handle.actors.remote().result()
+    memory = dict(zip(actors, ray.get([a.memory.remote() for a in actors.values()])))
+    return {"ingress": handle.memory.remote().result(), **memory}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/serve.yaml", help="a Serve config (default %(default)s)")
@@ -125,8 +140,10 @@ def main(argv=None) -> int:
         address = start_app(args.config, lambda engine: load_args(engine, args.streams), 900, args.grpc_port,
                             args.num_cpus)
         figures = {"config": args.config, "startup_s": round(time.perf_counter() - began, 1),
-                   "actor_max_concurrency": concurrency_for(args.streams),
-                   **run_streams(address, args.streams, args.max_new_tokens, args.timeout), **pool_report()}
+                   "actor_max_concurrency": concurrency_for(args.streams), "memory_mb_ready": memory_report()}
+        figures.update(run_streams(address, args.streams, args.max_new_tokens, args.timeout))
+        figures.update(pool_report())
+        figures["memory_mb_after"] = memory_report()
     finally:
         stop_serving()
     print(json.dumps(figures, indent=1))

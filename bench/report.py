@@ -94,15 +94,16 @@ def _same_cell(value: bool | None) -> str:
 def load_table(load: dict) -> list[str]:
     """The load table: one row per (method, concurrency), with the run's label in every row."""
     lines = ["| label | method | concurrency | requests | errors | agg tok/s | agg tok/s vs C=1 | ms/token p50 "
-             "| ms/token p95 | TTFT ms p50 | TTFT ms p95 | same tokens at every C |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| ms/token p95 | TTFT ms p50 | TTFT ms p95 | tree nodes / step | plain steps | same tokens at every C |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     same = load["identical_across_concurrency"]
     for r in load["levels"]:
         lines.append(f"| {load['label'] or '-'} | `{r['method']}` | {r['concurrency']} | {r['requests']} "
                      f"| {r['errors']} | {_num(r['aggregate_tokens_per_s'], 1)} "
                      f"| {_num(r['speedup_vs_concurrency_1'])} | {_num(r['ms_per_token_p50'], 1)} "
                      f"| {_num(r['ms_per_token_p95'], 1)} | {_num(r['ttft_ms_p50'], 0)} "
-                     f"| {_num(r['ttft_ms_p95'], 0)} | {_same_cell(same.get(r['method']))} |")
+                     f"| {_num(r['ttft_ms_p95'], 0)} | {_num(r.get('tree_nodes_mean'), 1)} "
+                     f"| {_num(r.get('plain_step_share'))} | {_same_cell(same.get(r['method']))} |")
     return lines
 
 

@@ -28,10 +28,11 @@ from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
+from actors.common import process_memory
 from actors.group import ActorGroup, check_ready, launch
 from actors.backend import ActorBackend, Admission
 from actors.liveness import HealthReport, Liveness
-from engine.budget import budget_from_curve
+from engine.budget import RunningLoad, budget_from_curve
 from engine.requests import StepUpdate
 from engine.step import Session, plan_proposers, tree_reservation
 from engine.kv_pool import PoolExhausted
@@ -79,6 +80,8 @@ class SpecInferIngress:
         self.budget = budget_from_curve(curve, budget.slack, budget.min_tree_nodes,
                                         budget.disable_above_running) if by_budget else None
         self.cost = tree_cost(config, curve)
+        # cost-aware trees choose their size for the batch's goodput against the running requests' load
+        self.load = RunningLoad() if self.budget is not None else None
         if self.budget is not None:
             logger.info("tree budget: %d tree tokens per pass (verify-cost curve %s)", self.budget.cap, curve)
         self.limits = ModelLimits(self.group.names, self.group.neural, info.max_context,
@@ -162,7 +165,7 @@ class SpecInferIngress:
             backend = ActorBackend(self.group, request_id, parsed.sampling, self.liveness, self._admission(parsed),
                                    prefetch=parsed.speculation.prefetch)
             session = Session(backend, parsed, self.group.names, self.group.neural, self.tokenizer, self.eos_ids,
-                              self._tree_budget, self.cost)
+                              self._tree_budget, self.cost, self.load)
             logger.info("request: %d prompt tokens, max_new_tokens %d, mode %s, %s (serve request id %s)",
                         len(parsed.prompt_ids), parsed.max_new_tokens, parsed.speculation.mode, observation.api,
                         _serve_request_id())
@@ -236,6 +239,10 @@ class SpecInferIngress:
     def actors(self) -> dict:
         """This replica's actor handles by role (for tests): verifier, merge, ssm/<name>."""
         return self.group.roles()
+
+    def memory(self) -> dict[str, float]:
+        """This replica process's memory in MB (``actors.common.process_memory``)."""
+        return process_memory()
 
     def recoveries(self) -> list:
         """Actors that were marked down and answered again, with how long it took (for bench/faults.py)."""

@@ -43,11 +43,14 @@ class ForwardBatcher:
     """``expected()``: how many requests may submit soon (e.g. the running ones); while fewer are
     queued, a batch waits for them up to ``window_s`` or ``window_fraction`` of the last forward's
     time, whichever is longer (calls of one step arrive milliseconds apart: each request's result
-    is streamed to its client before its next call)."""
+    is streamed to its client before its next call). ``chunk_tokens``: the most tokens of a prompt
+    one forward takes (chunked prefill, ``engine.paged_models.feed``); None: a prompt in one."""
 
     def __init__(self, model: PackedModel, window_s: float = 0.0, expected: Callable[[], int] | None = None,
-                 window_fraction: float = 0.0):
-        self.model = model
+                 window_fraction: float = 0.0, chunk_tokens: int | None = None):
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
+        self.model, self.chunk_tokens = model, chunk_tokens
         self.window_s, self.window_fraction, self.expected = window_s, window_fraction, expected
         self._opened, self._last_forward_s = 0.0, 0.0
         self.counters = BatchCounters()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 
+from .shape import BatchLoad
 from .tree import TokenTree
 
 
@@ -28,6 +30,42 @@ class TreeBudget:
         if self.disable_above is not None and running > self.disable_above:
             return 1
         return max(self.min_tree_nodes, self.cap // max(1, running))
+
+
+class RunningLoad:
+    """What each running request puts into the shared verify pass: its last step's tokens (tree
+    nodes, root included) and its expected tokens per step (committed tokens, faded by ``fade``);
+    ``others(key)`` is the ``BatchLoad`` a request's cost-aware shape plans against.
+
+    A request that has not stepped yet counts as a decode step (1 token, 1 expected).
+    Example: a steps with 5 tokens committing 3, b joins: others(a) = (1, 1.0), others(b) =
+    (5, 2.0) with fade 0.5 (1 -> 0.5 * 1 + 0.5 * 3).
+    """
+
+    def __init__(self, fade: float = 0.5):
+        self.fade = fade
+        self._lock = threading.Lock()
+        self._running: dict[Hashable, tuple[int, float]] = {}
+
+    def join(self, key: Hashable) -> None:
+        with self._lock:
+            self._running[key] = (1, 1.0)
+
+    def leave(self, key: Hashable) -> None:
+        with self._lock:
+            self._running.pop(key, None)
+
+    def record(self, key: Hashable, tokens: int, committed: int) -> None:
+        """One step of ``key``: ``tokens`` in its verify pass, ``committed`` tokens taken."""
+        with self._lock:
+            if key in self._running:
+                expected = self._running[key][1]
+                self._running[key] = (tokens, self.fade * expected + (1.0 - self.fade) * committed)
+
+    def others(self, key: Hashable) -> BatchLoad:
+        with self._lock:
+            rest = [load for other, load in self._running.items() if other != key]
+        return BatchLoad(sum(tokens for tokens, _ in rest), sum(expected for _, expected in rest))
 
 
 def budget_from_curve(curve: dict[int, float], slack: float, min_tree_nodes: int = 2,

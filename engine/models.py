@@ -172,4 +172,5 @@ def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
     if model.device.type != "cpu":
         raise ValueError("int8 dynamic quantization runs on CPU only; use a bf16 SSM on GPUs")
     model = model.float()
-    return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    # in place: the default deep-copies the float model first, one more full copy at the peak
+    return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)

@@ -33,9 +33,7 @@ class PagedTarget:
         return PagedSequence(self.pool, reserve_tokens)
 
     def prefill(self, state: PagedSequence, prompt_ids: list[int]) -> torch.Tensor:  # -> [V]
-        logits = self.batcher.submit(chain_item(state, list(prompt_ids)))  # [1, V]
-        state.keep(list(range(len(prompt_ids))))
-        return logits[0].cpu()
+        return feed(self.batcher, state, list(prompt_ids))
 
     def forward_tree(self, state: PagedSequence, tree: TokenTree) -> torch.Tensor:  # -> [N, V]
         item = ForwardItem(state, tree.tokens, positions(tree.parents, state.length), ancestor_mask(tree.parents),
@@ -77,10 +75,7 @@ class PagedDrafter(ModelDrafter):
 
     def _extend(self, state: PagedSequence, committed: list[int]) -> torch.Tensor:  # -> [V]
         state.truncate(min(state.length, len(committed) - 1))
-        fresh = committed[state.length:]
-        logits = self.batcher.submit(chain_item(state, fresh))  # [1, V]
-        state.keep(list(range(len(fresh))))
-        return logits[0].cpu()
+        return feed(self.batcher, state, committed[state.length:])
 
     def _forward_level(self, state: PagedSequence, builder: TreeBuilder, level: list[int], cached: list[int],
                        depth: int, committed_length: int) -> torch.Tensor:  # -> [F, V]
@@ -113,11 +108,29 @@ class PagedDrafter(ModelDrafter):
         state.drop(saved)
 
 
+def feed(batcher: ForwardBatcher, state: PagedSequence, tokens: list[int]) -> torch.Tensor:  # -> [V]
+    """Commit ``tokens`` to ``state`` (a prompt, or what its cache lacks); the logits after the last.
+
+    Chunked prefill: at most ``batcher.chunk_tokens`` per packed forward, each chunk committed
+    before the next is submitted, so the other running requests' forwards run between (and beside)
+    a long prompt's chunks instead of waiting for the whole prompt. Example: 10 tokens, chunks of 4
+    -> forwards of 4, 4 and 2 tokens.
+    """
+    if not tokens:
+        raise ValueError("feed needs at least one token (the root)")
+    size = batcher.chunk_tokens or len(tokens)
+    for start in range(0, len(tokens), size):
+        chunk = tokens[start:start + size]
+        logits = batcher.submit(chain_item(state, chunk))  # [1, V]
+        state.keep(list(range(len(chunk))))
+    return logits[0].cpu()
+
+
 def paged_parts(model, tokens: int, block_size: int = 16, window_s: float = 0.0, expected=None,
-                window_fraction: float = 0.0) -> tuple[BlockPool, ForwardBatcher]:
+                window_fraction: float = 0.0, chunk_tokens: int | None = None) -> tuple[BlockPool, ForwardBatcher]:
     """A pool of ``tokens`` slots for ``model`` and a batcher over it (in this process)."""
     pool = BlockPool.for_tokens(tokens, block_size)
-    return pool, ForwardBatcher(PagedModel(model, pool), window_s, expected, window_fraction)
+    return pool, ForwardBatcher(PagedModel(model, pool), window_s, expected, window_fraction, chunk_tokens)
 
 
 def time_packed_forward(model: PackedModel, total_tokens: int, prefix: int = 256, repeats: int = 3) -> float:

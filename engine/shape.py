@@ -14,7 +14,10 @@ verification, and there the shorter of the two is hidden (``step_ms``).
 ``acceptance(p)`` is calibrated from the request's own history (how often a node of path
 probability about ``p`` was accepted; the prior is ``p`` itself), ``verify_ms`` is the target's
 measured verify-cost curve. Drafting stops when one more level is not expected to raise the best
-rate. Ranking by path probability keeps every kept node's parent (a child's path probability never
+rate. Under continuous batching the verify pass is shared (``BatchLoad``): the choice maximises the
+*batch's* expected tokens per ms (after SmartSpec's goodput), counting the other running requests'
+tokens in the pass and their expected accepted tokens, so that a request keeps fewer nodes, or none
+(plain decoding), when its extra tokens would slow everyone more than they add. Ranking by path probability keeps every kept node's parent (a child's path probability never
 exceeds its parent's), so the kept nodes form a tree. Only deterministic (top-k) children are
 ranked this way: the verifier treats them as point masses, so the shape may follow the SSM's
 outputs without biasing sampled output.
@@ -35,6 +38,15 @@ DECAY = 0.9
 
 
 @dataclass(frozen=True)
+class BatchLoad:
+    """The other running requests sharing a request's verify pass (continuous batching): the
+    tokens they put in it and the tokens they are expected to commit per step."""
+
+    tokens: int = 0
+    expected: float = 0.0
+
+
+@dataclass(frozen=True)
 class TreeCost:
     """What a cost-aware shape needs: the target's verify cost and the growth limits.
 
@@ -45,6 +57,9 @@ class TreeCost:
     beam: int = 4
     branch: int = 4
     max_depth: int = 8
+    # Not part of the spec's identity: a tree drafted ahead (engine.prefetch) under one step's load
+    # serves the next step's draft call, whose load is a step newer.
+    load: BatchLoad = field(default=BatchLoad(), compare=False)
 
     def __post_init__(self) -> None:
         if not self.verify_ms or self.verify_ms[0][0] != 1:
@@ -111,16 +126,20 @@ def step_ms(draft_ms: float, verify_ms: float, overlap: float = 0.0) -> float:
 def best_size(probs: Sequence[float], calibration: Calibration, draft_ms: float, cost: TreeCost,
               limit: int, overlap: float = 0.0) -> tuple[int, float]:
     """(n, rate): how many of the nodes (path probabilities, best first) to keep, at most ``limit``,
-    and the expected tokens per ms with them (the root's one token counts even with n = 0).
+    and the expected tokens per ms with them (the root's one token counts even with n = 0). Under a
+    ``cost.load`` the rate is the batch's: the others' expected tokens are added, and the pass holds
+    their tokens too.
 
     Example: probs [0.9, 0.5, 0.1], no history, draft 20 ms, verify 100 ms + 10 ms per extra token
-    -> rates 1/120, 1.9/130, 2.4/140, 2.5/150: n = 2.
+    -> rates 1/120, 1.9/130, 2.4/140, 2.5/150: n = 2. With a load of 7 others (14 tokens, 14 expected)
+    -> 15/260, 15.9/270, 16.4/280, 16.5/290: n = 1.
     """
-    expected, ratios = 1.0, calibration.ratios()
-    best = (0, 1.0 / step_ms(draft_ms, cost.verify(1), overlap))
+    load, ratios = cost.load, calibration.ratios()
+    expected = load.expected + 1.0
+    best = (0, expected / step_ms(draft_ms, cost.verify(load.tokens + 1), overlap))
     for n, p in enumerate(probs[:limit], start=1):
         expected += min(1.0, p * ratios[Calibration.bin(p)])
-        rate = expected / step_ms(draft_ms, cost.verify(n + 1), overlap)
+        rate = expected / step_ms(draft_ms, cost.verify(load.tokens + n + 1), overlap)
         if rate > best[1]:
             best = (n, rate)
     return best

@@ -29,6 +29,7 @@ from .draft import DraftSpec, Draws, Proposal
 from .merge import merge
 from .requests import (HOPS, GenerationRequest, GenerationStats, SpeculationOptions, StepOutcome, StepUpdate)
 from .sampling import SamplingParams, make_generator, warp
+from .budget import RunningLoad
 from .shape import TreeCost
 from .target import Target, TargetStateLike
 from .text import TextStream
@@ -215,13 +216,18 @@ class Session:
     ``names``/``neural``: the proposers in proposer order. ``tree_budget()``: the most nodes
     (root included) this request's tree may have this step, None for no cap beyond the request's.
     ``cost``: the cost model of cost-aware shapes (None: every tree follows its schedule).
+    ``load``: the running requests of a batched server; then the cost-aware trees plan against the
+    others' share of the verify pass (``engine.shape.BatchLoad``) instead of ``tree_budget()``,
+    which still bounds the other proposers' trees.
     """
 
     def __init__(self, backend: Backend, request: GenerationRequest, names: Sequence[str], neural: Sequence[bool],
                  tokenizer, eos_ids, tree_budget: Callable[[], int | None] = lambda: None,
-                 cost: TreeCost | None = None):
+                 cost: TreeCost | None = None, load: RunningLoad | None = None):
         self.backend, self.request, self.names, self.neural = backend, request, tuple(names), tuple(neural)
-        self.cost = cost
+        self.cost, self.load = cost, load
+        if load is not None:
+            load.join(self)
         self.eos_ids, self.tree_budget = frozenset(eos_ids), tree_budget
         self.stats = GenerationStats(mode=request.speculation.mode)
         self.committed = list(request.prompt_ids)
@@ -247,17 +253,22 @@ class Session:
     async def step(self) -> StepUpdate:
         self._fit_to_budget()
         began = time.perf_counter()
-        if self.plan:
-            drafted = await self.backend.draft(self.committed, self.plan)  # draft + merge
+        plan = self._under_load()
+        if plan:
+            drafted = await self.backend.draft(self.committed, plan)  # draft + merge
         else:
             drafted = Drafted(root_only_proposal(self.committed[-1]))
         outcome = await self.backend.verify(drafted)  # verify + commit
         if outcome is None:
             return self._cancelled()
         record_step(self.stats, outcome, self.names, (time.perf_counter() - began) * 1e3)
+        if self.load is not None:
+            self.load.record(self, outcome.draft_tokens + 1, len(outcome.tokens))
         return self._emit(list(outcome.tokens))
 
     def close(self) -> None:
+        if self.load is not None:
+            self.load.leave(self)
         self.backend.release()
 
     def _plan(self, max_tree_nodes: int) -> None:
@@ -271,6 +282,16 @@ class Session:
         nodes = nodes if budget is None else min(budget, nodes)
         if nodes != self.planned_nodes:
             self._plan(nodes)
+
+    def _under_load(self) -> tuple[Assignment, ...]:
+        """This step's plan: with a ``load``, each cost-aware spec plans against the other running
+        requests' share of the pass, up to the request's own max_tree_nodes (the batch goodput, not
+        the equal share, bounds it)."""
+        if self.load is None or not any(a.spec.cost_aware for a in self.plan):
+            return self.plan
+        batch, nodes = self.load.others(self), self.request.speculation.max_tree_nodes
+        return tuple(replace(a, spec=replace(a.spec, max_nodes=nodes, cost=replace(a.spec.cost, load=batch)))
+                     if a.spec.cost_aware else a for a in self.plan)
 
     def _emit(self, new: list[int]) -> StepUpdate:
         kept, chunk, reason = advance(self.text, self.stats, new, self.request.max_new_tokens, self.eos_ids)

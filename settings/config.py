@@ -155,12 +155,18 @@ class BatchingConfig(Strict):
     window_fraction: float = Field(default=0.5, ge=0.0, le=1.0,
                                    description="or this fraction of the last forward's time, if longer")
     admission_timeout_s: float = Field(default=30.0, ge=0.0, description="wait for KV blocks, then RESOURCE_EXHAUSTED")
+    prefill_chunk_tokens: int | None = Field(
+        default=256, ge=1, description="chunked prefill: the most prompt tokens of one request per packed forward "
+                                       "(target and SSMs), so running requests keep stepping while a long prompt "
+                                       "joins; null: a prompt in one forward")
 
 
 class TreeBudgetConfig(Strict):
-    """Tree tokens per step by load: the verifier measures its verify-cost curve at start; the cap
-    on tree tokens per pass is the largest total whose pass costs at most (1 + slack) x a decode
-    step, and each of R running requests gets cap / R nodes (at least min_tree_nodes)."""
+    """Tree tokens per step by load: the verifier measures its verify-cost curve at start. Cost-aware
+    trees choose their size each step for the batch's goodput against the other running requests'
+    share of the pass (engine.budget.RunningLoad). Fixed schedules and the suffix proposer share a
+    cap: the largest total whose pass costs at most (1 + slack) x a decode step, cap / R nodes for
+    each of R running requests (at least min_tree_nodes)."""
 
     enabled: bool = True
     slack: float = Field(default=1.0, ge=0.0)

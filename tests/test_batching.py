@@ -335,3 +335,96 @@ def test_tree_budget_trims_the_schedule_not_the_drawn_tree():
 
     plan = plan_proposers(("ssm",), (True,), SpeculationOptions(expansion=(2, 2, 1), max_tree_nodes=4))
     assert plan[0].spec.schedule == (2,)  # 1 + 2 nodes; a second level would make 7
+
+
+def test_under_load_cost_aware_trees_plan_against_the_others_and_leave_the_cap_to_the_rest():
+    """With a RunningLoad, a cost-aware model's spec carries the other requests' share of the pass
+    and the request's own max_tree_nodes (the goodput decides its size); the suffix proposer keeps
+    the equal share. Each step records what the request put into the pass; closing leaves."""
+    from engine.budget import RunningLoad
+    from engine.shape import BatchLoad, TreeCost
+    from engine.step import Drafted, Session, iterate_sync, root_only_proposal, step_outcome
+    from engine.verify import Verdict
+
+    plans = []
+
+    class Recording:
+        async def prefill(self, prompt_ids):
+            return 1
+
+        async def draft(self, committed, plan):
+            plans.append(plan)
+            return Drafted(root_only_proposal(committed[-1]))
+
+        async def verify(self, drafted):
+            return step_outcome(drafted, Verdict((0,), 2, bonus=True), 1.0)
+
+        def release(self):
+            pass
+
+    load = RunningLoad(fade=0.5)
+    load.join("other")
+    load.record("other", 6, 3)  # 6 tokens in the pass, expected 0.5 * 1 + 0.5 * 3 = 2
+    session = Session(Recording(), GenerationRequest((5, 6), 3), ("ssm", "suffix"), (True, False), IdTokenizer(),
+                      (), tree_budget=lambda: 2, cost=TreeCost(((1, 100.0), (2, 110.0))), load=load)
+    assert load.others("other") == BatchLoad(1, 1.0)  # joined as a decode step
+    updates = list(iterate_sync(session.updates()))
+    assert [u.token_ids for u in updates] == [(1,), (2,), (2,)]
+    model, suffix = plans[0]
+    assert model.spec.cost_aware and model.spec.cost.load == BatchLoad(6, 2.0)
+    assert (model.spec.max_nodes, suffix.spec.max_nodes) == (64, 2)  # the request's own bound; the cap
+    assert load.others("other") == BatchLoad(1, 1.0)  # root-only steps committing one token each
+    session.close()
+    assert load.others("other") == BatchLoad(0, 0.0)
+
+
+def chain_sizes(batcher) -> list[int]:
+    """Record the token count of every chain item (prefill or catching up: one logits row) the
+    batcher's model runs; returns the list it fills."""
+    sizes, forward = [], batcher.model.forward
+
+    def recording(items):
+        sizes.extend(len(item.tokens) for item in items if len(item.rows) == 1)
+        return forward(items)
+
+    batcher.model.forward = recording
+    return sizes
+
+
+def test_chunked_prefill_equals_generate_and_no_forward_takes_more_than_a_chunk(models):
+    """Prompts longer than the chunk (30 and 50 tokens, chunks of 12) are fed 12 tokens per forward,
+    target and SSM alike, while the others step; outputs still equal generate, blocks all return."""
+    engine = batched_engine(models)
+    for batcher in (engine.target.batcher, engine.drafters[0].batcher):
+        batcher.chunk_tokens = 12
+    sizes = [chain_sizes(engine.target.batcher), chain_sizes(engine.drafters[0].batcher)]
+    requests = [GenerationRequest(p, n, speculation=s) for p, n, s in MIXED]
+    expected = [reference_greedy(models[0], list(p), n) for p, n, _ in MIXED]
+    assert run_threads(engine, requests, delays=[0.0, 0.0, 0.01, 0.05, 0.1, 0.2]) == expected
+    for recorded in sizes:
+        assert max(recorded) == 12, recorded  # chunks of 12, none larger
+    assert all(pool.num_free == pool.num_blocks and pool.num_unreserved == pool.num_blocks for pool in pools(engine))
+
+
+@pytest.mark.parametrize("chunk,forwards", [(4, 3), (5, 2), (10, 1), (None, 1)])
+def test_chunked_prefill_gives_the_one_forward_logits_and_entries(models, chunk, forwards):
+    """feed: 10 prompt tokens in chunks of 4 are 3 forwards (4, 4, 2); the logits after the prompt
+    and every KV entry equal those of one forward (fp32, up to rounding)."""
+    from engine.paged_models import feed
+
+    target = models[0]
+    reference_pool, reference = paged_parts(target, 64, 4)
+    pool, batcher = paged_parts(target, 64, 4, chunk_tokens=chunk)
+    prompt = list(range(30, 40))
+    whole, state = PagedSequence(reference_pool), PagedSequence(pool)
+    one, chunked = feed(reference, whole, prompt), feed(batcher, state, prompt)
+    assert batcher.counters.forwards == forwards and state.length == whole.length == 10
+    torch.testing.assert_close(chunked, one, rtol=1e-5, atol=1e-5)
+    ours, theirs = batcher.model.runner.storage, reference.model.runner.storage
+    for mine, other in zip(ours.keys + ours.values, theirs.keys + theirs.values):
+        torch.testing.assert_close(mine[state.slots(0, 10)], other[whole.slots(0, 10)], rtol=1e-5, atol=1e-5)
+
+
+def test_a_chunk_must_hold_a_token(models):
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        paged_parts(models[0], 64, 4, chunk_tokens=0)

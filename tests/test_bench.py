@@ -381,6 +381,9 @@ def test_bench_load_levels_via_grpc(grpc_server, bench_config, prompts_file, tmp
         assert (level["requests"], level["errors"], level["total_tokens"]) == (3, 0, 3 * 12), level
         assert level["aggregate_tokens_per_s"] > 0 and 0 < level["ms_per_token_p50"] <= level["ms_per_token_p95"]
         assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p95"]
+    # the chosen tree sizes come back from the final stats: incremental drafts nothing
+    assert (levels[("incremental", 1)]["tree_nodes_mean"], levels[("incremental", 1)]["plain_step_share"]) == (0.0, 1.0)
+    assert levels[("tree", 1)]["tree_nodes_mean"] > 0
     assert levels[("tree", 1)]["speedup_vs_concurrency_1"] == 1.0
     assert load["identical_across_concurrency"] == {"incremental": True, "tree": True}
     stored = [json.loads(line) for line in (out / "load.jsonl").read_text().splitlines()]
@@ -546,3 +549,10 @@ def test_gpu_prefetch_runs_on_cpu_tiny(tmp_path, agreement):
 def test_gpu_prefetch_default_pair_shape(tmp_path):
     result = _bench_script("gpu_prefetch").main(["--prompts", "3", "--tokens", "64", "--out", str(tmp_path / "p.json")])
     assert result["outputs_follow_the_target"] and result["table"][2]["hit_rate"] > 0
+
+
+@pytest.mark.parametrize("sizes,mean,plain", [([0, 2, 4, 0], 1.5, 0.5), ([], None, None), ([3], 3.0, 0.0)])
+def test_tree_size_summary(sizes, mean, plain):
+    from bench.load import tree_size_summary
+
+    assert tree_size_summary(sizes) == {"tree_nodes_mean": mean, "plain_step_share": plain}

@@ -38,9 +38,12 @@ def load_app(serving, tiny_args):  # noqa: F811
     from cluster.serve_app import app_builder
 
     args = load_args(tiny_args, STREAMS)
-    args["server"] = {**args["server"], "batching": {**args["server"]["batching"], "kv_cache_tokens": 12288}}
+    # The tree budget on: cost-aware trees choose their sizes for the batch's goodput against the
+    # running requests' load (engine.budget.RunningLoad), chunked prefill of 16 tokens.
+    args["server"] = {**args["server"], "tree_budget": {"enabled": True},
+                      "batching": {**args["server"]["batching"], "kv_cache_tokens": 12288, "prefill_chunk_tokens": 16}}
     # Cost-aware shapes served (the verifier measures the verify-cost curve at start): the trees follow
-    # timings, the tokens must not (each stream equals the in-process engine's fixed-shape output).
+    # timings and load, the tokens must not (each stream equals the in-process engine's fixed-shape output).
     args["speculation"] = {**args["speculation"], "policy": "cost"}
     serve.run(app_builder(args), name=LOAD_APP, route_prefix="/load", blocking=False)
     with Client(serving, LOAD_APP) as client:

@@ -5,6 +5,7 @@ control (re-ranking *sampled* children, which the policy never does, is caught).
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from engine.generate import SpeculativeEngine
 from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.sampling import SamplingParams, make_generator
-from engine.shape import PRIOR, Calibration, ShapeHistory, TreeCost, another_level_pays, best_size, step_ms
+from engine.shape import PRIOR, BatchLoad, Calibration, ShapeHistory, TreeCost, another_level_pays, best_size, step_ms
 from engine.step import plan_proposers
 from engine.target import TargetModel
 from tests.lookup_models import LookupDrafter, LookupLM, chi_square, prefix_distribution
@@ -90,6 +91,42 @@ def test_overlapped_drafting_changes_the_kept_size():
     probs = [0.9, 0.5, 0.1]
     assert best_size(probs, Calibration(), 20.0, STEEP, 10, overlap=0.0)[0] == 2
     assert best_size(probs, Calibration(), 20.0, STEEP, 10, overlap=1.0)[0] == 1
+
+
+TEN_A_TOKEN = TreeCost(((1, 100.0), (2, 110.0)))  # 100 ms, then 10 ms for every extra token
+
+
+@pytest.mark.parametrize("probs,load,expected", [
+    ([0.9, 0.5, 0.1], BatchLoad(), 2),  # alone: the docstring's first example
+    ([0.9, 0.5, 0.1], BatchLoad(14, 14.0), 1),  # 7 others (the second): 15/260, 15.9/270, 16.4/280
+    ([0.3, 0.2], BatchLoad(14, 14.0), 0),  # 15/260 > 15.3/270: plain decoding pays the batch more
+    ([0.3, 0.2], BatchLoad(), 2),  # ... while alone the same nodes pay: 1/120, 1.3/130, 1.5/140
+    ([0.3, 0.2], BatchLoad(14, 2.0), 2),  # others that commit little: the step's ms matter less
+])
+def test_under_load_the_size_maximises_the_batch_goodput(probs, load, expected):
+    """Under continuous batching a request's extra tokens slow every request of the pass (SmartSpec's
+    goodput): the size that pays alone may not pay the batch, down to none."""
+    cost = replace(TEN_A_TOKEN, load=load)
+    assert best_size(probs, Calibration(), 20.0, cost, 10)[0] == expected
+
+
+def test_the_load_is_not_part_of_a_costs_identity():
+    """A tree drafted ahead under one step's load serves the next draft call (engine.prefetch
+    compares specs): the load is a hint, not what the spec asks for."""
+    assert replace(TEN_A_TOKEN, load=BatchLoad(14, 14.0)) == TEN_A_TOKEN
+
+
+def test_running_load_counts_the_others():
+    from engine.budget import RunningLoad
+
+    load = RunningLoad(fade=0.5)
+    load.join("a")
+    load.record("a", 5, 3)
+    load.join("b")  # the docstring's example
+    assert (load.others("a"), load.others("b")) == (BatchLoad(1, 1.0), BatchLoad(5, 2.0))
+    load.record("gone", 9, 9)  # a request that left (or never joined) is not counted
+    load.leave("a")
+    assert load.others("b") == BatchLoad(0, 0.0)
 
 
 def test_calibration_learns_from_history():
