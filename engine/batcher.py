@@ -43,8 +43,9 @@ class ForwardBatcher:
     """``expected()``: how many requests may submit soon (e.g. the running ones); while fewer are
     queued, a batch waits for them up to ``window_s`` or ``window_fraction`` of the last forward's
     time, whichever is longer (calls of one step arrive milliseconds apart: each request's result
-    is streamed to its client before its next call). ``chunk_tokens``: the most tokens of a prompt
-    one forward takes (chunked prefill, ``engine.paged_models.feed``); None: a prompt in one."""
+    is streamed to its client before its next call). ``chunk_tokens``: the most prompt tokens one
+    forward takes, all requests together, first come first served (chunked prefill:
+    ``engine.paged_models.feed`` submits prompts in chunks of at most this); None: no limit."""
 
     def __init__(self, model: PackedModel, window_s: float = 0.0, expected: Callable[[], int] | None = None,
                  window_fraction: float = 0.0, chunk_tokens: int | None = None):
@@ -116,7 +117,8 @@ class ForwardBatcher:
             if (self._running or not self._queue or len(self._queue) < max(self._active, self._hold)
                     or self._waiting_for_more()):
                 return
-            batch, self._queue, self._running, self._hold = self._queue, [], True, 0
+            (batch, self._queue), self._running, self._hold = self._split(self._queue), True, 0
+            self._opened = time.monotonic()  # what is left waits from now
         began = time.monotonic()
         try:
             results = self.model.forward([ticket.item for ticket in batch])
@@ -136,6 +138,24 @@ class ForwardBatcher:
                     ticket.done = True
                 self._running = False
                 self._cond.notify_all()
+
+    def _split(self, queue: list[_Ticket]) -> tuple[list[_Ticket], list[_Ticket]]:
+        """(this forward's tickets, those left for the next): prompt chunks past ``chunk_tokens``
+        prompt tokens wait, with every prompt chunk behind them (first come, first served); the first
+        chunk always goes, and so does every other item.
+        Example: chunk 8; prompt 6, tree 5, prompt 4, prompt 2 -> [6, 5], left [4, 2]."""
+        if self.chunk_tokens is None:
+            return queue, []
+        batch, rest, prompt = [], [], 0
+        for ticket in queue:
+            if ticket.item.prompt:
+                n = len(ticket.item.tokens)
+                if rest or (prompt and prompt + n > self.chunk_tokens):
+                    rest.append(ticket)
+                    continue
+                prompt += n
+            batch.append(ticket)
+        return batch, rest
 
     def _waiting_for_more(self) -> bool:
         if self.expected is None or self._window() <= 0:

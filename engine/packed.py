@@ -42,6 +42,8 @@ class ForwardItem:
     visible:   # [n, K] bool over the sequence's speculative entries after these n are
                #   appended (K = pending + n); committed entries are always visible
     rows:      # [r] int64, which of the n tokens need logits
+    prompt:    a chunk of a prompt (``engine.paged_models.feed``): counts against the batcher's
+               ``chunk_tokens`` per forward
     """
 
     sequence: PagedSequence
@@ -49,6 +51,7 @@ class ForwardItem:
     positions: torch.Tensor  # [n]
     visible: torch.Tensor  # [n, K]
     rows: torch.Tensor  # [r]
+    prompt: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,13 +89,14 @@ class PackedModel(Protocol):
         """Free what runs the forwards beyond this process (tensor-parallel ranks)."""
 
 
-def chain_item(sequence: PagedSequence, tokens: list[int], last_only: bool = True) -> ForwardItem:
+def chain_item(sequence: PagedSequence, tokens: list[int], last_only: bool = True, prompt: bool = False) -> ForwardItem:
     """Committed tokens fed in order (prefill, catching up): causal over themselves."""
     n, start = len(tokens), sequence.length + sequence.pending
     visible = torch.ones(n, sequence.pending + n, dtype=torch.bool)
     visible[:, sequence.pending:] = torch.ones(n, n, dtype=torch.bool).tril()
     rows = torch.tensor([n - 1]) if last_only else torch.arange(n)
-    return ForwardItem(sequence, torch.tensor(tokens, dtype=torch.long), torch.arange(start, start + n), visible, rows)
+    return ForwardItem(sequence, torch.tensor(tokens, dtype=torch.long), torch.arange(start, start + n), visible, rows,
+                       prompt)
 
 
 def pack(items: list[ForwardItem], pool: BlockPool) -> tuple[PackedBatch | None, list[BaseException | None]]:

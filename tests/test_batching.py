@@ -428,3 +428,36 @@ def test_chunked_prefill_gives_the_one_forward_logits_and_entries(models, chunk,
 def test_a_chunk_must_hold_a_token(models):
     with pytest.raises(ValueError, match="chunk_tokens"):
         paged_parts(models[0], 64, 4, chunk_tokens=0)
+
+
+def test_prompts_arriving_together_are_prefilled_one_chunk_budget_at_a_time(models):
+    """Three prompts (6, 4 and 2 tokens) queued together with chunk_tokens 8: no forward takes more
+    than 8 prompt tokens, so they need two forwards (whatever their order), where one forward of
+    12 would delay every first token; each prefill's logits equal its own alone."""
+    from engine.paged_models import feed
+
+    target = models[0]
+    pool, batcher = paged_parts(target, 256, 4, chunk_tokens=8)
+    per_forward, forward = [], batcher.model.forward
+
+    def recording(items):
+        per_forward.append(sum(len(item.tokens) for item in items if item.prompt))
+        return forward(items)
+
+    batcher.model.forward = recording
+    prompts = [list(range(10, 16)), list(range(20, 24)), list(range(30, 32))]
+    logits = [None] * 3
+
+    def run(i):
+        logits[i] = feed(batcher, PagedSequence(pool), prompts[i])
+
+    batcher.hold_next(3)  # all three queued before the first forward, whatever the timing
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(per_forward) == 2 and max(per_forward) <= 8 and sum(per_forward) == 12, per_forward
+    alone_pool, alone = paged_parts(target, 256, 4)
+    for prompt, got in zip(prompts, logits):
+        torch.testing.assert_close(got, feed(alone, PagedSequence(alone_pool), prompt), rtol=1e-5, atol=1e-5)
