@@ -40,6 +40,10 @@ def add_parsers(subparsers) -> None:
     bench.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts (default 1024)")
     bench.add_argument("--warmup-tokens", type=int, default=16,
                        help="tokens of the one unrecorded warm-up generation per method (0: none)")
+    bench.add_argument("--repeat", type=int, default=1,
+                       help="ask the prompts this many times, pass after pass, one method after the other (a "
+                            "repeated-prompt workload: what "
+                            "the suffix proposer's global store adds); results.md compares the passes")
     bench.add_argument("--label", default=None,
                        help="a name stored with the results and shown in results.md (e.g. the server-side "
                             "setting under test: --label batching, --label no-batching)")
@@ -88,7 +92,7 @@ def bench_settings(args: argparse.Namespace) -> BenchSettings:
                          sampling=sampling, via=args.via[1] if args.via else None,
                          max_prompt_tokens=args.max_prompt_tokens, warmup_tokens=args.warmup_tokens,
                          concurrency=args.concurrency, requests=args.requests, label=args.label,
-                         load_only=args.load_only)
+                         load_only=args.load_only, repeat=args.repeat)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:

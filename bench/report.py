@@ -118,6 +118,20 @@ def load_section(load: dict) -> list[str]:
             *load_table(load), "", *([f"Errors: {'; '.join(errors)}", ""] if errors else [])]
 
 
+def pass_table(passes: Sequence[dict]) -> list[str]:
+    """One row per (pass, method): speedup, tokens / step, ms / token, nodes / step, same output,
+    and the proposers' shares of the accepted tokens."""
+    lines = ["| pass | method | prompts | speedup vs incremental | tokens / step | ms / token | nodes / step "
+             "| output = incremental | proposer shares |", "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in passes:
+        shares = ", ".join(f"{name} {share:.0%}" for name, share in (r["proposer_share"] or {}).items()) or "-"
+        match = "n/a" if r["outputs_match_incremental"] is None else f"{r['outputs_match_incremental']:.0%}"
+        lines.append(f"| {r['pass']} | `{r['method']}` | {r['prompts']} | {_num(r['speedup_vs_incremental'])} "
+                     f"| {_num(r['tokens_per_step'])} | {_num(r['ms_per_token'], 1)} | {_num(r['nodes_per_step'], 1)} "
+                     f"| {match} | {shares} |")
+    return lines
+
+
 def write_outputs(out: Path, results: dict) -> list[Path]:
     """results.json, results.md and the PNG plots (skipped with a warning without matplotlib)."""
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
@@ -146,6 +160,9 @@ def write_markdown(path: Path, results: dict, plots: Sequence[Path] = ()) -> Non
     if profile:
         lines += ["Step profile (sums over prompts / verify steps; drafting includes merge and transport):", "",
                   *profile, ""]
+    if results.get("passes"):
+        lines += ["Repeated prompts: each pass's medians (pass k asks every prompt again, after all of pass k-1):",
+                  "", *pass_table(results["passes"]), ""]
     shares = proposer_table(results["summary"])
     if shares:
         lines += ["Share of accepted tokens credited to each proposer:", "", *shares, ""]

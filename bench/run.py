@@ -25,8 +25,8 @@ from .methods import GREEDY_METHODS, Method, Proposers, resolve_methods
 from .report import write_outputs
 from .rows import RowStore
 from .runners import GrpcRunner, LocalRunner, Runner
-from .summary import summarize
-from .workloads import DEFAULT_MAX_PROMPT_TOKENS, EncodedPrompt, load_workload
+from .summary import pass_summary, summarize
+from .workloads import DEFAULT_MAX_PROMPT_TOKENS, EncodedPrompt, load_workload, repeat_workload
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,11 @@ class BenchSettings:
     requests: int | None = None  # requests per load level; None: max(prompts, largest level)
     label: str | None = None  # stored with the results, e.g. the server-side setting under test
     load_only: bool = False  # skip the per-prompt comparison (needs concurrency)
+    repeat: int = 1  # ask the workload this many times, pass after pass (bench.workloads.repeat_workload)
 
     def __post_init__(self) -> None:
+        if self.repeat < 1:
+            raise ValueError(f"--repeat must be >= 1, got {self.repeat}")
         if self.num_prompts < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 1 or self.warmup_tokens < 0:
             raise ValueError("num_prompts, max_new_tokens and max_prompt_tokens must be >= 1, warmup_tokens >= 0")
         if self.concurrency and not self.via:
@@ -73,7 +76,8 @@ def run_identity(settings: BenchSettings, config: EngineConfig) -> dict:
     engine = config.model_dump(include={"dtype", "target", "ssms", "suffix", "speculation"}, mode="json")
     return {"dataset": settings.dataset, "max_new_tokens": settings.max_new_tokens,
             "max_prompt_tokens": settings.max_prompt_tokens, "sampling": asdict(settings.sampling),
-            "via": settings.via, "engine": engine, **({"label": settings.label} if settings.label else {})}
+            "via": settings.via, "engine": engine, **({"label": settings.label} if settings.label else {}),
+            **({"repeat": settings.repeat} if settings.repeat > 1 else {})}
 
 
 def check_run_identity(path: Path, identity: dict) -> None:
@@ -89,9 +93,14 @@ def check_run_identity(path: Path, identity: dict) -> None:
 
 
 def pending_pairs(methods: Sequence[Method], workload: Sequence[EncodedPrompt],
-                  store: RowStore) -> list[tuple[EncodedPrompt, Method]]:
+                  store: RowStore, by_method: bool = False) -> list[tuple[EncodedPrompt, Method]]:
     """(prompt, method) pairs not yet in the store, prompt by prompt; the method order rotates by
-    one each prompt so no method always runs first (or right after a given other one)."""
+    one each prompt so no method always runs first (or right after a given other one). With
+    ``by_method`` (repeated workloads) each method runs the whole workload, passes in order, before
+    the next method, so its later passes see the global store of its own earlier responses only."""
+    if by_method:
+        return [(prompt, method) for method in methods for prompt in workload
+                if (prompt.id, method.spelling) not in store]
     pairs = []
     for index, prompt in enumerate(workload):
         shift = index % len(methods)
@@ -112,8 +121,12 @@ def execute(runner: Runner, pending: Sequence[tuple[EncodedPrompt, Method]], set
         warm = pending[0][0]
         for method in dict.fromkeys(m for _, m in pending):
             runner.run(method, warm, min(settings.warmup_tokens, settings.max_new_tokens), settings.sampling)
+    last = None
     with tqdm(total=len(pending), desc=f"bench {Path(settings.dataset).stem}", unit="gen", dynamic_ncols=True) as bar:
         for prompt, method in pending:
+            if settings.repeat > 1 and method != last:  # a method's passes start from an empty store
+                runner.forget()
+                last = method
             bar.set_postfix_str(f"{prompt.id} {method.spelling}", refresh=False)
             store.append(runner.run(method, prompt, settings.max_new_tokens, settings.sampling))
             bar.update()
@@ -155,7 +168,7 @@ def run_pairs(settings: BenchSettings, config: EngineConfig, runner: Runner | No
     """Run the pending pairs on ``runner``, or on a runner made (and closed) here when none is given."""
     created = bool(pending) and runner is None
     if created:
-        runner = GrpcRunner(settings.via) if settings.via else LocalRunner(config)
+        runner = GrpcRunner(settings.via) if settings.via else LocalRunner(config, keep_responses=settings.repeat > 1)
     try:
         execute(runner, pending, settings, store)
     finally:
@@ -168,14 +181,17 @@ def run_bench(settings: BenchSettings, config: EngineConfig | None = None, runne
     config = config or load_config(settings.config, dtype=settings.dtype)
     methods = resolve_methods(settings.methods, config, settings.via)
     workload = load_workload(settings.dataset, load_tokenizer(config), settings.num_prompts, settings.max_prompt_tokens)
+    workload = repeat_workload(workload, settings.repeat)
     settings.out.mkdir(parents=True, exist_ok=True)
     check_run_identity(settings.out / "run.json", run_identity(settings, config))
     store = RowStore(settings.out / "rows.jsonl")
-    pending = [] if settings.load_only else pending_pairs(methods, workload, store)
+    pending = [] if settings.load_only else pending_pairs(methods, workload, store, by_method=settings.repeat > 1)
     logger.info("%d of %d generations to run", len(pending), len(methods) * len(workload))
     run_pairs(settings, config, runner, pending, store)
     results = {"settings": run_section(settings, config, methods, len(workload)), "environment": environment(),
                **summarize(store.rows, methods, workload, Proposers.from_config(config).names)}
+    if settings.repeat > 1:
+        results["passes"] = pass_summary(results["per_prompt"], methods)
     if settings.concurrency:
         results["load"] = run_load(settings.load_plan(len(workload)), methods, workload, settings.out)
     write_outputs(settings.out, results)

@@ -20,15 +20,21 @@ class Runner(Protocol):
     def run(self, method: Method, prompt: EncodedPrompt, max_new_tokens: int, sampling: SamplingParams) -> BenchRow:
         ...
 
+    def forget(self) -> None:
+        """Empty the suffix proposer's global store of earlier responses, where this runner can."""
+
     def close(self) -> None:
         ...
 
 
 class LocalRunner:
-    """Runs methods on one in-process engine, built on first use (a finished run loads no model)."""
+    """Runs methods on one in-process engine, built on first use (a finished run loads no model).
 
-    def __init__(self, config: EngineConfig, engine=None):
-        self.config, self._engine = config, engine
+    Each run starts with an empty global suffix store (no method sees a prompt's answer from another
+    method's run), unless ``keep_responses``: then only ``forget`` empties it (repeated workloads)."""
+
+    def __init__(self, config: EngineConfig, engine=None, keep_responses: bool = False):
+        self.config, self._engine, self.keep_responses = config, engine, keep_responses
 
     @property
     def engine(self):
@@ -41,15 +47,19 @@ class LocalRunner:
     def run(self, method: Method, prompt: EncodedPrompt, max_new_tokens: int, sampling: SamplingParams) -> BenchRow:
         if method.kind == "hf-assisted":
             return hf_assisted_row(self.engine, method, prompt, max_new_tokens, sampling)
-        from cluster.build import forget_responses
-
-        forget_responses(self.engine)  # no method sees this prompt's answer from another's run
+        if not self.keep_responses:
+            self.forget()  # no method sees this prompt's answer from another's run
         request = GenerationRequest(prompt.ids, max_new_tokens, sampling, method.options)
         started = time.perf_counter()
         result = self.engine.generate(request)
         latency_ms = (time.perf_counter() - started) * 1e3
         return row_from_stats(prompt, method.spelling, result.token_ids, result.finish_reason,
                               result.stats.to_dict(), latency_ms)
+
+    def forget(self) -> None:
+        from cluster.build import forget_responses
+
+        forget_responses(self.engine)
 
     def close(self) -> None:
         if self._engine is not None:
@@ -139,6 +149,9 @@ class GrpcRunner:
         stats = {**data["stats"], "accepted_per_proposer": data["stats"]["accepted_per_ssm"]}
         return row_from_stats(prompt, method.spelling, data["token_ids"], data["finish_reason"], stats, latency_ms,
                               remote=True)
+
+    def forget(self) -> None:
+        """Nothing: a server's store belongs to its merge actor (restart the server to empty it)."""
 
     def close(self) -> None:
         self.client.close()

@@ -9,7 +9,7 @@ import numpy as np
 
 from .methods import BASELINE, Method
 from .rows import BenchRow
-from .workloads import EncodedPrompt
+from .workloads import EncodedPrompt, pass_of
 
 
 def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int | None:
@@ -129,3 +129,21 @@ def summarize(rows: dict[tuple[str, str], BenchRow], methods: Sequence[Method], 
     summary = {m.spelling: {"proposers": m.proposers(proposer_names),
                             **method_summary([r for r in per_prompt if r["method"] == m.spelling])} for m in methods}
     return {"summary": summary, "per_prompt": per_prompt}
+
+
+def pass_summary(per_prompt: Sequence[dict], methods: Sequence[Method]) -> list[dict]:
+    """Per pass of a repeated workload (``bench.workloads.repeat_workload``) and method: the
+    medians of ``method_summary`` and the proposers' shares, so the passes can be compared (what
+    the suffix proposer's global store of earlier responses adds on the second pass)."""
+    rows = []
+    for number in sorted({pass_of(r["prompt_id"]) for r in per_prompt}):
+        for m in methods:
+            records = [r for r in per_prompt if r["method"] == m.spelling and pass_of(r["prompt_id"]) == number]
+            if records:
+                summary = method_summary(records)
+                rows.append({"pass": number, "method": m.spelling,
+                             **{k: summary[k] for k in ("prompts", "speedup_vs_incremental", "tokens_per_step",
+                                                        "ms_per_token", "outputs_match_incremental",
+                                                        "nodes_per_step", "proposer_share")}})
+    return rows
+

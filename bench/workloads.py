@@ -14,10 +14,10 @@ import gzip
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Iterator, TextIO
+from typing import Any, Iterable, Iterator, Sequence, TextIO
 
 logger = logging.getLogger(__name__)
 
@@ -187,3 +187,22 @@ def write_jsonl(path: Path, prompts: Iterable[Prompt]) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         for prompt in prompts:
             handle.write(json.dumps({"id": prompt.id, "prompt": prompt.text}) + "\n")
+
+
+def repeat_workload(workload: Sequence[EncodedPrompt], times: int) -> list[EncodedPrompt]:
+    """The workload asked ``times`` times over, pass after pass (agents and retries ask the same
+    prompts again): pass k >= 2 repeats every prompt with the id ``<id>@<k>``.
+
+    Example: ids [a, b], 2 times -> [a, b, a@2, b@2].
+    """
+    if times < 1:
+        raise ValueError(f"repeat must be >= 1, got {times}")
+    return [*workload, *(EncodedPrompt(replace(p.prompt, id=f"{p.id}@{k}"), p.ids)
+                         for k in range(2, times + 1) for p in workload)]
+
+
+def pass_of(prompt_id: str) -> int:
+    """The pass a (repeated) prompt id belongs to. Example: "HumanEval/3" -> 1, "HumanEval/3@2" -> 2."""
+    head, _, tail = prompt_id.rpartition("@")
+    return int(tail) if head and tail.isdigit() else 1
+

@@ -205,3 +205,35 @@ class ShapeHistory:
             accepted.add(node)
         for i in range(1, len(tokens)):
             self.calibration.record(probs[i], i in accepted)
+
+
+@dataclass
+class Backoff:
+    """Plain decoding while cost-aware trees keep choosing no nodes (per request).
+
+    A cost-aware tree of the root alone still cost its drafting (the SSM forward that extends its
+    cache, the root's expansion). After such a step the cost-aware proposers sit out 1, then 2, 4,
+    ... steps (at most ``limit``), and a step whose tree had nodes resets the wait. So a request
+    whose trees do not pay (at this load, on this machine) stops paying for drafting and tries
+    again ever less often. It reads the request's history only, so outputs stay exact.
+
+    Example (limit 4): drafted steps of 0, 0, 0, 0 nodes -> sit out 1, 2, 4, 4 steps; a step with
+    nodes -> drafting every step again.
+    """
+
+    limit: int = 16
+    wait: int = 0  # how many steps the next sit-out lasts
+    left: int = 0  # steps of the current sit-out still to go
+
+    def drafts(self) -> bool:
+        """Whether this step's cost-aware proposers draft (counts a skipped step)."""
+        if self.left:
+            self.left -= 1
+            return False
+        return True
+
+    def record(self, nodes: int) -> None:
+        """A step the cost-aware proposers drafted: ``nodes`` drafted nodes in its tree."""
+        self.wait = 0 if nodes else min(self.limit, max(1, 2 * self.wait))
+        self.left = self.wait
+

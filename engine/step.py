@@ -30,7 +30,7 @@ from .merge import merge
 from .requests import (HOPS, GenerationRequest, GenerationStats, SpeculationOptions, StepOutcome, StepUpdate)
 from .sampling import SamplingParams, make_generator, warp
 from .budget import RunningLoad
-from .shape import TreeCost
+from .shape import Backoff, TreeCost
 from .target import Target, TargetStateLike
 from .text import TextStream
 from .tree import TokenTree, depths, fit_schedule, schedule_nodes
@@ -226,6 +226,7 @@ class Session:
                  cost: TreeCost | None = None, load: RunningLoad | None = None):
         self.backend, self.request, self.names, self.neural = backend, request, tuple(names), tuple(neural)
         self.cost, self.load = cost, load
+        self.backoff = Backoff()  # plain decoding while cost-aware trees keep choosing no nodes
         if load is not None:
             load.join(self)
         self.eos_ids, self.tree_budget = frozenset(eos_ids), tree_budget
@@ -254,6 +255,9 @@ class Session:
         self._fit_to_budget()
         began = time.perf_counter()
         plan = self._under_load()
+        cost_aware = any(a.spec.cost_aware for a in plan)
+        if cost_aware and not self.backoff.drafts():
+            plan, cost_aware = tuple(a for a in plan if not a.spec.cost_aware), False
         if plan:
             drafted = await self.backend.draft(self.committed, plan)  # draft + merge
         else:
@@ -262,6 +266,8 @@ class Session:
         if outcome is None:
             return self._cancelled()
         record_step(self.stats, outcome, self.names, (time.perf_counter() - began) * 1e3)
+        if cost_aware:
+            self.backoff.record(outcome.draft_tokens)
         if self.load is not None:
             self.load.record(self, outcome.draft_tokens + 1, len(outcome.tokens))
         return self._emit(list(outcome.tokens))

@@ -156,9 +156,9 @@ class BatchingConfig(Strict):
                                    description="or this fraction of the last forward's time, if longer")
     admission_timeout_s: float = Field(default=30.0, ge=0.0, description="wait for KV blocks, then RESOURCE_EXHAUSTED")
     prefill_chunk_tokens: int | None = Field(
-        default=256, ge=1, description="chunked prefill: the most prompt tokens of one request per packed forward "
-                                       "(target and SSMs), so running requests keep stepping while a long prompt "
-                                       "joins; null: a prompt in one forward")
+        default=256, ge=1, description="chunked prefill: the most prompt tokens per packed forward, all requests "
+                                       "together, first come first served (target and SSMs), so running requests "
+                                       "keep stepping while prompts join; null: a prompt in one forward")
 
 
 class TreeBudgetConfig(Strict):

@@ -258,6 +258,28 @@ def test_bench_end_to_end_fp32_exact_and_resumable(bench_config, prompts_file, t
     assert len((out / "rows.jsonl").read_text().splitlines()) == 3 * len(methods)
 
 
+def test_repeated_prompts_compare_the_passes(bench_config, prompts_file, tmp_path):
+    """--repeat 2 asks the 3 prompts again after all of them ran once: the suffix proposer's global
+    store then holds their responses, so its second pass accepts more per step; outputs stay exact."""
+    out = tmp_path / "repeat"
+    assert bench_cli(bench_config, prompts_file, out, "--methods", "incremental,tree[suffix]", "--repeat", "2") == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [r["prompt_id"] for r in results["per_prompt"][::2]] == [p.id for p in PROMPTS[:3]] + [
+        f"{p.id}@2" for p in PROMPTS[:3]]
+    passes = {(r["pass"], r["method"]): r for r in results["passes"]}
+    assert set(passes) == {(k, m) for k in (1, 2) for m in ("incremental", "tree[suffix]")}
+    assert all(r["outputs_match_incremental"] == 1.0 and r["prompts"] == 3 for r in passes.values())
+    assert passes[(2, "tree[suffix]")]["tokens_per_step"] > passes[(1, "tree[suffix]")]["tokens_per_step"]
+    assert "| 2 | `tree[suffix]` | 3 |" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize("prompt_id,number", [("HumanEval/3", 1), ("HumanEval/3@2", 2), ("a@b", 1), ("@3", 1)])
+def test_pass_of(prompt_id, number):
+    from bench.workloads import pass_of
+
+    assert pass_of(prompt_id) == number
+
+
 def test_bench_resume_generates_nothing_when_done(bench_config, prompts_file, tmp_path, counted):
     out = tmp_path / "run"
     assert bench_cli(bench_config, prompts_file, out, "--methods", "incremental,tree") == 0

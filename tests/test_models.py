@@ -67,3 +67,27 @@ def test_cli_reports_config_errors(tmp_path, capsys):
     bad.write_text("target: {name: t, source: t}\nspeculation: {expansion: [0]}\n")
     assert main(["generate", "--config", str(bad), "--prompt", "x"]) == 2
     assert "expansion" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_keeps_bf16_embeddings_and_the_same_logits(tied):
+    """quantize_int8 of a bf16 model keeps its input embeddings in bf16 (widened per lookup, which
+    is exact), so its logits equal those of the same int8 model with a float32 table."""
+    import copy
+
+    import torch
+
+    from engine.models import quantize_int8
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama", 97, layers=2, seed=3)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(torch.bfloat16)
+    reference = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model).float(), {torch.nn.Linear},
+                                                       dtype=torch.qint8)
+    quantized = quantize_int8(model)
+    assert quantized.get_input_embeddings().weight.dtype == torch.bfloat16
+    ids = torch.tensor([[5, 17, 3, 88, 41]])
+    with torch.inference_mode():
+        assert torch.equal(quantized(ids).logits, reference(ids).logits)

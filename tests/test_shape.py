@@ -355,3 +355,47 @@ def test_reranking_sampled_children_is_rejected():
     result, _ = sample(RerankedSampled(SSM_A, 0, "ssm"), DraftSpec((3,), "sampled", T1), length=2)
     report("NEGATIVE CONTROL re-ranked sampled children", result)
     assert result.pvalue < THRESHOLD
+
+
+def test_backoff_sits_out_longer_while_trees_keep_no_nodes():
+    from engine.shape import Backoff
+
+    backoff, pattern = Backoff(limit=4), []
+    for nodes in (0, 0, 0, 0, 3, 0):  # the docstring's example, then a tree with nodes, then none again
+        assert backoff.drafts()
+        backoff.record(nodes)
+        pattern.append(backoff.left)
+        for _ in range(backoff.left):
+            assert not backoff.drafts()
+    assert pattern == [1, 2, 4, 4, 0, 1]
+
+
+def test_a_request_whose_cost_aware_trees_keep_no_nodes_decodes_plainly():
+    """The session leaves the cost-aware SSM out (no draft call: plain decoding) for 1, 2, 4, 8
+    steps after each drafted step whose tree was the root alone; outputs are the target's."""
+    from engine.step import Drafted, Session, iterate_sync, root_only_proposal, step_outcome
+    from engine.verify import Verdict
+
+    drafted_at, steps = [], [0]
+
+    class RootOnly:
+        async def prefill(self, prompt_ids):
+            return 1
+
+        async def draft(self, committed, plan):
+            assert all(a.spec.cost_aware for a in plan)
+            drafted_at.append(steps[0])
+            return Drafted(root_only_proposal(committed[-1]))
+
+        async def verify(self, drafted):
+            steps[0] += 1
+            return step_outcome(drafted, Verdict((0,), 2, bonus=True), 1.0)
+
+        def release(self):
+            pass
+
+    session = Session(RootOnly(), GenerationRequest((5, 6), 21), ("ssm",), (True,), IdTokenizer(), (),
+                      cost=TEN_A_TOKEN)
+    updates = list(iterate_sync(session.updates()))
+    assert sum(len(u.token_ids) for u in updates) == 21 and steps[0] == 20
+    assert drafted_at == [0, 2, 5, 10, 19]  # steps 1, 3, 6, 11, 20: sitting out 1, 2, 4, 8
