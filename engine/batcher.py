@@ -44,7 +44,7 @@ class ForwardBatcher:
     queued, a batch waits for them up to ``window_s`` or ``window_fraction`` of the last forward's
     time, whichever is longer (calls of one step arrive milliseconds apart: each request's result
     is streamed to its client before its next call). ``chunk_tokens``: the most prompt tokens one
-    forward takes, all requests together, first come first served (chunked prefill:
+    forward takes, all requests together, the earliest-begun prompt first (chunked prefill:
     ``engine.paged_models.feed`` submits prompts in chunks of at most this); None: no limit."""
 
     def __init__(self, model: PackedModel, window_s: float = 0.0, expected: Callable[[], int] | None = None,
@@ -140,20 +140,22 @@ class ForwardBatcher:
                 self._cond.notify_all()
 
     def _split(self, queue: list[_Ticket]) -> tuple[list[_Ticket], list[_Ticket]]:
-        """(this forward's tickets, those left for the next): prompt chunks past ``chunk_tokens``
-        prompt tokens wait, with every prompt chunk behind them (first come, first served); the first
-        chunk always goes, and so does every other item.
-        Example: chunk 8; prompt 6, tree 5, prompt 4, prompt 2 -> [6, 5], left [4, 2]."""
+        """(this forward's tickets, those left for the next): prompt chunks in the order their
+        prompts began (the earliest-arrived prompt is prefilled first, so its first token is not
+        held back by later prompts' chunks) up to ``chunk_tokens`` prompt tokens; the first of them
+        always goes, and so does every item that is not a prompt chunk.
+        Example: chunk 8; tree 5, prompts begun at t=3 (4 tokens), t=1 (6), t=2 (2) -> [5, 6, 2],
+        left [4]."""
         if self.chunk_tokens is None:
             return queue, []
-        batch, rest, prompt = [], [], 0
-        for ticket in queue:
-            if ticket.item.prompt:
-                n = len(ticket.item.tokens)
-                if rest or (prompt and prompt + n > self.chunk_tokens):
-                    rest.append(ticket)
-                    continue
-                prompt += n
+        prompts = sorted((t for t in queue if t.item.prompt is not None), key=lambda t: t.item.prompt)
+        batch, rest, total = [t for t in queue if t.item.prompt is None], [], 0
+        for ticket in prompts:
+            n = len(ticket.item.tokens)
+            if rest or (total and total + n > self.chunk_tokens):
+                rest.append(ticket)
+                continue
+            total += n
             batch.append(ticket)
         return batch, rest
 

@@ -42,8 +42,9 @@ class ForwardItem:
     visible:   # [n, K] bool over the sequence's speculative entries after these n are
                #   appended (K = pending + n); committed entries are always visible
     rows:      # [r] int64, which of the n tokens need logits
-    prompt:    a chunk of a prompt (``engine.paged_models.feed``): counts against the batcher's
-               ``chunk_tokens`` per forward
+    prompt:    for a chunk of a prompt (``engine.paged_models.feed``), when that prompt began
+               feeding: prompt chunks count against the batcher's ``chunk_tokens`` per forward and
+               go in that order (None: not a prompt chunk)
     """
 
     sequence: PagedSequence
@@ -51,7 +52,7 @@ class ForwardItem:
     positions: torch.Tensor  # [n]
     visible: torch.Tensor  # [n, K]
     rows: torch.Tensor  # [r]
-    prompt: bool = False
+    prompt: float | None = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ class PackedModel(Protocol):
         """Free what runs the forwards beyond this process (tensor-parallel ranks)."""
 
 
-def chain_item(sequence: PagedSequence, tokens: list[int], last_only: bool = True, prompt: bool = False) -> ForwardItem:
+def chain_item(sequence: PagedSequence, tokens: list[int], last_only: bool = True,
+               prompt: float | None = None) -> ForwardItem:
     """Committed tokens fed in order (prefill, catching up): causal over themselves."""
     n, start = len(tokens), sequence.length + sequence.pending
     visible = torch.ones(n, sequence.pending + n, dtype=torch.bool)

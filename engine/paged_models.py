@@ -112,18 +112,18 @@ def feed(batcher: ForwardBatcher, state: PagedSequence, tokens: list[int]) -> to
     """Commit ``tokens`` to ``state`` (a prompt, or what its cache lacks); the logits after the last.
 
     Chunked prefill: chunks of at most ``batcher.chunk_tokens``, each committed before the next is
-    submitted, and the batcher puts at most that many prompt tokens (all requests together, first
-    come first served) in one packed forward. So the other running requests' forwards run beside
+    submitted, and the batcher puts at most that many prompt tokens (all requests together, the
+    prompt that began first first) in one packed forward. So the other running requests' forwards run beside
     a long prompt's chunks instead of waiting for the whole prompt, and prompts that arrive
     together are prefilled one after another, not all in one forward that delays every first
     token. Example: 10 tokens, chunks of 4 -> forwards of 4, 4 and 2 tokens.
     """
     if not tokens:
         raise ValueError("feed needs at least one token (the root)")
-    size = batcher.chunk_tokens or len(tokens)
+    size, since = batcher.chunk_tokens or len(tokens), time.monotonic() if batcher.chunk_tokens else None
     for start in range(0, len(tokens), size):
         chunk = tokens[start:start + size]
-        logits = batcher.submit(chain_item(state, chunk, prompt=batcher.chunk_tokens is not None))  # [1, V]
+        logits = batcher.submit(chain_item(state, chunk, prompt=since))  # [1, V]
         state.keep(list(range(len(chunk))))
     return logits[0].cpu()
 

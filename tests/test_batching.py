@@ -441,7 +441,7 @@ def test_prompts_arriving_together_are_prefilled_one_chunk_budget_at_a_time(mode
     per_forward, forward = [], batcher.model.forward
 
     def recording(items):
-        per_forward.append(sum(len(item.tokens) for item in items if item.prompt))
+        per_forward.append(sum(len(item.tokens) for item in items if item.prompt is not None))
         return forward(items)
 
     batcher.model.forward = recording
@@ -461,3 +461,21 @@ def test_prompts_arriving_together_are_prefilled_one_chunk_budget_at_a_time(mode
     alone_pool, alone = paged_parts(target, 256, 4)
     for prompt, got in zip(prompts, logits):
         torch.testing.assert_close(got, feed(alone, PagedSequence(alone_pool), prompt), rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_chunks_go_in_the_order_their_prompts_began():
+    """The batcher's split (the docstring's example): every item that is not a prompt chunk goes;
+    prompt chunks go earliest-begun prompt first, up to chunk_tokens, and once one waits the later
+    ones wait too (so a prompt that began first gets its first token first)."""
+    from engine.batcher import ForwardBatcher, _Ticket
+
+    def ticket(n, began=None):
+        return _Ticket(ForwardItem(None, torch.zeros(n, dtype=torch.long), torch.arange(n), torch.ones(n, n).bool(),
+                                   torch.tensor([n - 1]), began))
+
+    batcher = ForwardBatcher(model=None, chunk_tokens=8)
+    tree, late, first, second = ticket(5), ticket(4, 3.0), ticket(6, 1.0), ticket(2, 2.0)
+    batch, rest = batcher._split([tree, late, first, second])
+    assert (batch, rest) == ([tree, first, second], [late])
+    batch, rest = batcher._split([ticket(9, 2.0), ticket(1, 1.0)])  # an early small chunk, then a big one
+    assert [len(t.item.tokens) for t in batch] == [1] and [len(t.item.tokens) for t in rest] == [9]
