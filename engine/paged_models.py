@@ -33,7 +33,7 @@ class PagedTarget:
         return PagedSequence(self.pool, reserve_tokens)
 
     def prefill(self, state: PagedSequence, prompt_ids: list[int]) -> torch.Tensor:  # -> [V]
-        return feed(self.batcher, state, list(prompt_ids))
+        return feed(self.batcher, state, list(prompt_ids), prompt=True)
 
     def forward_tree(self, state: PagedSequence, tree: TokenTree) -> torch.Tensor:  # -> [N, V]
         item = ForwardItem(state, tree.tokens, positions(tree.parents, state.length), ancestor_mask(tree.parents),
@@ -75,7 +75,8 @@ class PagedDrafter(ModelDrafter):
 
     def _extend(self, state: PagedSequence, committed: list[int]) -> torch.Tensor:  # -> [V]
         state.truncate(min(state.length, len(committed) - 1))
-        return feed(self.batcher, state, committed[state.length:])
+        # the request's first draft feeds its prompt; later ones the few tokens the last step accepted
+        return feed(self.batcher, state, committed[state.length:], prompt=state.length == 0)
 
     def _forward_level(self, state: PagedSequence, builder: TreeBuilder, level: list[int], cached: list[int],
                        depth: int, committed_length: int) -> torch.Tensor:  # -> [F, V]
@@ -108,19 +109,21 @@ class PagedDrafter(ModelDrafter):
         state.drop(saved)
 
 
-def feed(batcher: ForwardBatcher, state: PagedSequence, tokens: list[int]) -> torch.Tensor:  # -> [V]
+def feed(batcher: ForwardBatcher, state: PagedSequence, tokens: list[int],
+         prompt: bool = False) -> torch.Tensor:  # -> [V]
     """Commit ``tokens`` to ``state`` (a prompt, or what its cache lacks); the logits after the last.
 
     Chunked prefill: chunks of at most ``batcher.chunk_tokens``, each committed before the next is
-    submitted, and the batcher puts at most that many prompt tokens (all requests together, the
-    prompt that began first first) in one packed forward. So the other running requests' forwards run beside
+    submitted. A ``prompt``'s chunks are marked with the moment it began, and the batcher puts at
+    most ``chunk_tokens`` prompt tokens (all requests together, the prompt that began first first)
+    in one packed forward; other feeds (the few tokens a step accepted) always go. So the other running requests' forwards run beside
     a long prompt's chunks instead of waiting for the whole prompt, and prompts that arrive
     together are prefilled one after another, not all in one forward that delays every first
     token. Example: 10 tokens, chunks of 4 -> forwards of 4, 4 and 2 tokens.
     """
     if not tokens:
         raise ValueError("feed needs at least one token (the root)")
-    size, since = batcher.chunk_tokens or len(tokens), time.monotonic() if batcher.chunk_tokens else None
+    size, since = batcher.chunk_tokens or len(tokens), time.monotonic() if batcher.chunk_tokens and prompt else None
     for start in range(0, len(tokens), size):
         chunk = tokens[start:start + size]
         logits = batcher.submit(chain_item(state, chunk, prompt=since))  # [1, V]

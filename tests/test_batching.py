@@ -449,7 +449,7 @@ def test_prompts_arriving_together_are_prefilled_one_chunk_budget_at_a_time(mode
     logits = [None] * 3
 
     def run(i):
-        logits[i] = feed(batcher, PagedSequence(pool), prompts[i])
+        logits[i] = feed(batcher, PagedSequence(pool), prompts[i], prompt=True)
 
     batcher.hold_next(3)  # all three queued before the first forward, whatever the timing
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
