@@ -24,8 +24,6 @@ Needs ``pip install torchao`` (0.18 tried); a path that fails is reported with i
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import statistics
 import subprocess
@@ -47,12 +45,6 @@ def quantize(model, path: str):
 
         quantize_(model, Int8WeightOnlyConfig() if path == "torchao-wo" else Int8DynamicActivationInt8WeightConfig())
     return model
-
-
-def memory_mb() -> dict[str, float]:
-    with open("/proc/self/status") as status:
-        fields = [line.split() for line in status if line.startswith(("VmRSS", "VmHWM"))]
-    return {f[0].rstrip(":"): int(f[1]) / 1024 for f in fields}
 
 
 def time_forward(model, cache, tokens: int, repeats: int) -> float:
@@ -77,14 +69,17 @@ def run_path(model_dir: str, path: str, threads: int, prefix: int, repeats: int)
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
+    from actors.common import process_memory
+    from actors.loading import return_freed_memory
+
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     began = time.perf_counter()
     model = quantize(model, path)
     quantize_s = time.perf_counter() - began
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    result = {"path": path, "quantize_s": round(quantize_s, 1), **memory_mb()}
+    return_freed_memory()  # as the actors do after loading
+    memory = process_memory()
+    result = {"path": path, "quantize_s": round(quantize_s, 1), "VmRSS": memory["VmRSS"], "VmHWM": memory["VmHWM"]}
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         model(input_ids=torch.arange(1000, 1000 + prefix)[None], past_key_values=cache, use_cache=True,
@@ -97,7 +92,7 @@ def run_path(model_dir: str, path: str, threads: int, prefix: int, repeats: int)
             result["compile_s"] = round(time.perf_counter() - began, 1)
         result["decode_ms"] = round(time_forward(model, cache, 1, repeats), 1)
         result["level4_ms"] = round(time_forward(model, cache, 4, repeats), 1)
-    result["VmHWM_end"] = memory_mb()["VmHWM"]
+    result["VmHWM_end"] = process_memory()["VmHWM"]
     return result
 
 
