@@ -58,16 +58,20 @@ def add_parsers(subparsers) -> None:
     bench.set_defaults(handler=run_bench_command, bench_parser=bench)
 
     experiment = subparsers.add_parser(
-        "experiment", help="SSM subsets x schedules x datasets (configs/experiments/*.yaml)",
+        "experiment", help="SSM subsets x schedules x datasets x runs (configs/experiments/*.yaml)",
         description="Run an experiment file: every SSM subset with every expansion schedule on every dataset, "
-                    "against incremental decoding; write OUT/experiment.md and OUT/experiment.json.")
+                    "against incremental decoding, in-process and/or served (a Ray Serve app started here, one "
+                    "actor per SSM); write OUT/experiment.md, OUT/experiment.json and OUT/ensembles.png. "
+                    "Resumable: rerun the same command.")
     experiment.add_argument("--config", required=True, help="experiment file (YAML)")
     experiment.add_argument("--out", type=Path, default=None, help="default: the file's 'out'")
     experiment.add_argument("--dtype", choices=DTYPES, default=None)
     experiment.add_argument("--datasets", default=None, help="comma-separated; overrides the file's datasets")
     experiment.add_argument("--num-prompts", type=int, default=None)
     experiment.add_argument("--max-new-tokens", type=int, default=None)
-    experiment.set_defaults(handler=run_experiment_command)
+    experiment.add_argument("--runs", default=None,
+                            help="comma-separated, of in-process and served; overrides the file's runs")
+    experiment.set_defaults(handler=run_experiment_command, experiment_parser=experiment)
 
 
 def concurrency_levels(text: str) -> tuple[int, ...]:
@@ -109,8 +113,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 def run_experiment_command(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("num_prompts", args.num_prompts), ("max_new_tokens", args.max_new_tokens),
-                                   ("datasets", args.datasets.split(",") if args.datasets else None)) if v is not None}
-    out = args.out or Path(load_experiment(args.config).out)
+                                   ("datasets", args.datasets.split(",") if args.datasets else None),
+                                   ("runs", args.runs.split(",") if args.runs else None)) if v is not None}
+    try:  # a bad file or override is a usage error (exit code 2) naming the field
+        experiment = load_experiment(args.config)
+        type(experiment).model_validate({**experiment.model_dump(), **overrides})
+    except (OSError, ValueError) as error:
+        args.experiment_parser.error(str(error))
+    out = args.out or Path(experiment.out)
     run_experiment(args.config, out=out, dtype=args.dtype, **overrides)
     print((out / "experiment.md").read_text(encoding="utf-8"))
     print(f"wrote {out}/experiment.json and experiment.md")

@@ -1,27 +1,45 @@
-"""`specinfer experiment`: SSM subsets x expansion schedules x datasets, one table.
+"""`specinfer experiment`: SSM subsets x expansion schedules x datasets x runs, one table.
 
 An experiment file (``configs/experiments/ensemble.yaml``) names a base engine config (or holds one
 inline under ``engine:``), the SSMs to load (they replace the base config's), the subsets to try,
-the schedules and the workloads. One engine holds every SSM; each (subset, schedule) is the bench
-method ``tree[subset]:schedule`` and runs interleaved with ``incremental`` prompt by prompt, so the
-per-dataset runs resume like ``specinfer bench`` (``OUT/<dataset>/rows.jsonl``).
-Outputs: ``OUT/experiment.json`` and ``OUT/experiment.md``, plus each dataset's bench report.
+the schedules, the workloads and the runs:
+
+* ``in-process``: one engine holds every SSM and drafts a request's SSMs one after the other;
+* ``served``: a Ray Serve app started here on loopback (the Serve config's proxies, the
+  experiment's engine config), each SSM in its own actor, drafting concurrently, every request
+  sent through gRPC. Each request gets its own forwards (continuous batching off, as in-process)
+  and the suffix proposer's global store is off, so both runs see the same inputs: in-process the
+  store is emptied before every generation.
+
+Each (subset, schedule) is the bench method ``tree[subset]:schedule`` and runs interleaved with
+``incremental`` prompt by prompt, so every (run, dataset) resumes like ``specinfer bench``
+(``OUT/<run>/<dataset>/rows.jsonl``); a finished one loads no model. Outputs: ``OUT/experiment.json``
+and ``OUT/experiment.md`` (the table, and each ensemble against its best member), ``OUT/ensembles.png``,
+plus each run's bench report.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from settings.config import Dtype, EngineConfig, ModelConfig, SuffixConfig, engine_section, read_yaml
 
-from .report import experiment_markdown
+from .report import experiment_markdown, plot_ensembles
 from .run import BenchSettings, run_bench
-from .runners import LocalRunner
+from .runners import LocalRunner, Runner, ServedRunner
 from .workloads import DEFAULT_MAX_PROMPT_TOKENS
+
+
+OBJECT_STORE_BYTES = 512 * 2**20  # the served run's Ray object store: requests and replies are small
+Run = Literal["in-process", "served"]
+RUNS = ("in-process", "served")
 
 
 class ExperimentConfig(BaseModel):
@@ -32,6 +50,7 @@ class ExperimentConfig(BaseModel):
     base_config: str | None = None  # engine config path: relative to the working directory or to this file
     engine: dict | None = None  # or the engine config inline
     dtype: Dtype | None = None  # overrides the engine config's dtype
+    speculation: dict = Field(default_factory=dict)  # fields that replace the engine config's speculation ones
     ssms: list[ModelConfig] = Field(default_factory=list)
     suffix: SuffixConfig | None = SuffixConfig()
     subsets: list[list[str]] = Field(min_length=1)
@@ -41,7 +60,17 @@ class ExperimentConfig(BaseModel):
     max_new_tokens: int = Field(default=128, ge=1)
     max_prompt_tokens: int = Field(default=DEFAULT_MAX_PROMPT_TOKENS, ge=1)
     warmup_tokens: int = Field(default=16, ge=0)
+    runs: list[Run] = Field(default_factory=lambda: ["in-process"], min_length=1)
+    serve_config: str = "configs/serve.yaml"  # the served run's proxies (its engine args are this experiment's)
+    ready_timeout_s: float = Field(default=1800.0, gt=0)  # the served run waits this long for its app
     out: str = "bench/out/experiment"
+
+    @field_validator("runs")
+    @classmethod
+    def _runs(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"runs listed twice: {value}")
+        return value
 
     @field_validator("schedules")
     @classmethod
@@ -89,7 +118,7 @@ def resolve_path(value: str, relative_to: Path) -> Path:
 
 
 def engine_config(experiment: ExperimentConfig, path: Path, dtype: str | None = None) -> EngineConfig:
-    """The base engine config with the experiment's SSMs, suffix proposer and dtype."""
+    """The base engine config with the experiment's SSMs, suffix proposer, speculation and dtype."""
     if experiment.engine is not None:
         section = dict(experiment.engine)
     else:
@@ -97,13 +126,27 @@ def engine_config(experiment: ExperimentConfig, path: Path, dtype: str | None = 
         section = dict(engine_section(read_yaml(base), base))
     section["ssms"] = [m.model_dump() for m in experiment.ssms]
     section["suffix"] = experiment.suffix.model_dump() if experiment.suffix else None
+    section["speculation"] = {**(section.get("speculation") or {}), **experiment.speculation}
     if dtype or experiment.dtype:
         section["dtype"] = dtype or experiment.dtype
     return EngineConfig.model_validate(section)
 
 
+def served_args(config: EngineConfig) -> dict:
+    """The served run's app args: the engine config with continuous batching off (each request gets
+    its own forwards and follows its schedule as given, as in-process) and the suffix proposer's
+    global store off (each request sees its own tokens only, as in-process: ``LocalRunner`` empties
+    the store before every generation, and a server's store cannot be emptied from outside)."""
+    args = config.model_dump(mode="json")
+    args["server"]["batching"]["enabled"] = False
+    if args.get("suffix"):
+        args["suffix"]["max_cached_requests"] = 0
+    return args
+
+
 @dataclass(frozen=True)
 class ExperimentRow:
+    run: str  # "in-process" | "served"
     dataset: str
     ssms: tuple[str, ...]  # () for the incremental baseline
     schedule: tuple[int, ...]
@@ -115,18 +158,67 @@ class ExperimentRow:
     outputs_match_incremental: float | None
     mean_accepted_per_step: float | None
     proposer_share: dict[str, float] | None
+    nodes_per_step: float | None  # drafted tree nodes per verify step
+    draft_ms_per_step: float | None  # drafting (SSMs, merge, transport) per verify step
+    verify_ms_per_step: float | None
 
 
-def experiment_rows(dataset: str, experiment: ExperimentConfig, summary: dict) -> list[ExperimentRow]:
+def experiment_rows(run: str, dataset: str, experiment: ExperimentConfig, summary: dict) -> list[ExperimentRow]:
     methods = experiment.methods()
     combos = [((), ())] + [(tuple(s), tuple(k)) for s in experiment.subsets for k in experiment.schedules]
     rows = []
     for method, (ssms, schedule) in zip(methods, combos):
         s = summary[method]
-        rows.append(ExperimentRow(dataset, ssms, schedule, method, s["prompts"], s["tokens_per_step"],
+        rows.append(ExperimentRow(run, dataset, ssms, schedule, method, s["prompts"], s["tokens_per_step"],
                                   s["ms_per_token"], s["speedup_vs_incremental"], s["outputs_match_incremental"],
-                                  s["mean_accepted_per_step"], s["proposer_share"]))
+                                  s["mean_accepted_per_step"], s["proposer_share"], s["nodes_per_step"],
+                                  s["draft_ms_per_step"], s["verify_ms_per_step"]))
     return rows
+
+
+@dataclass(frozen=True)
+class EnsembleVerdict:
+    """A merged ensemble (a subset of two or more proposers) against its best member: the member
+    with the highest median speedup run alone, same run, dataset and schedule."""
+
+    run: str
+    dataset: str
+    schedule: tuple[int, ...]
+    ssms: tuple[str, ...]
+    best_member: str
+    speedup: float  # the ensemble's median speedup vs incremental
+    member_speedup: float
+    tokens_per_step: float | None  # ensemble, then best member
+    member_tokens_per_step: float | None
+    draft_ms_per_step: float | None
+    member_draft_ms_per_step: float | None
+    verify_ms_per_step: float | None
+    member_verify_ms_per_step: float | None
+
+    @property
+    def beats(self) -> bool:
+        return self.speedup > self.member_speedup
+
+
+def ensemble_verdicts(rows: Sequence[ExperimentRow]) -> list[EnsembleVerdict]:
+    """Every ensemble row whose members all ran alone, against the fastest of them.
+
+    Example: with rows for {a} (speedup 1.5), {b} (1.1) and {a, b} (1.4) on one run, dataset and
+    schedule -> one verdict: {a, b} against a, 1.4 vs 1.5 (does not beat it).
+    """
+    alone = {(r.run, r.dataset, r.schedule, r.ssms[0]): r for r in rows
+             if len(r.ssms) == 1 and r.speedup_vs_incremental is not None}
+    verdicts = []
+    for r in rows:
+        members = [alone.get((r.run, r.dataset, r.schedule, name)) for name in r.ssms]
+        if len(r.ssms) < 2 or r.speedup_vs_incremental is None or None in members:
+            continue
+        best = max(members, key=lambda m: m.speedup_vs_incremental)
+        verdicts.append(EnsembleVerdict(
+            r.run, r.dataset, r.schedule, r.ssms, best.ssms[0], r.speedup_vs_incremental,
+            best.speedup_vs_incremental, r.tokens_per_step, best.tokens_per_step, r.draft_ms_per_step,
+            best.draft_ms_per_step, r.verify_ms_per_step, best.verify_ms_per_step))
+    return verdicts
 
 
 def dataset_dir(dataset: str) -> str:
@@ -134,34 +226,61 @@ def dataset_dir(dataset: str) -> str:
     return dataset if dataset in ("humaneval", "sharegpt") else Path(dataset).stem
 
 
+def make_runner(run: str, experiment: ExperimentConfig, config: EngineConfig, path: Path) -> Runner:
+    """The run's runner; neither loads a model or starts a server before its first generation."""
+    if run == "in-process":
+        return LocalRunner(config)
+    from cluster.k8s import cpus_per_pipeline
+
+    serve_config = resolve_path(experiment.serve_config, path.parent)
+    cpus = max(os.cpu_count() or 1, math.ceil(cpus_per_pipeline(config)))  # every actor placed, even on 2 cores
+    return ServedRunner(str(serve_config), served_args(config), experiment.ready_timeout_s, num_cpus=cpus,
+                        object_store_memory=OBJECT_STORE_BYTES)
+
+
 def run_experiment(path: str | Path, out: Path | None = None, dtype: str | None = None,
                    **overrides) -> list[ExperimentRow]:
-    """Run (or resume) every dataset; ``overrides`` replace experiment fields (datasets, num_prompts, ...)."""
+    """Run (or resume) every run and dataset; ``overrides`` replace experiment fields (datasets, runs, ...)."""
     path = Path(path)
     experiment = load_experiment(path)
     if overrides:
         experiment = ExperimentConfig.model_validate({**experiment.model_dump(), **overrides})
     config = engine_config(experiment, path, dtype)
     out = Path(out or experiment.out)
-    runner = LocalRunner(config)  # one engine for every dataset
     rows: list[ExperimentRow] = []
-    for dataset in experiment.datasets:
-        settings = BenchSettings(config=str(path), dataset=dataset, out=out / dataset_dir(dataset),
-                                 methods=tuple(experiment.methods()), num_prompts=experiment.num_prompts,
-                                 max_new_tokens=experiment.max_new_tokens, dtype=config.dtype,
-                                 max_prompt_tokens=experiment.max_prompt_tokens,
-                                 warmup_tokens=experiment.warmup_tokens)
-        results = run_bench(settings, config=config, runner=runner)
-        rows += experiment_rows(dataset_dir(dataset), experiment, results["summary"])
-    write_experiment(out, path, experiment, config, rows)
+    generation_ms = 0.0
+    for run in experiment.runs:
+        runner = make_runner(run, experiment, config, path)  # one engine (or server) per run
+        try:
+            for dataset in experiment.datasets:
+                results = run_bench(run_settings(experiment, path, config, run, dataset, out), config, runner)
+                rows += experiment_rows(run, dataset_dir(dataset), experiment, results["summary"])
+                generation_ms += sum(r["latency_ms"] for r in results["per_prompt"])
+        finally:
+            runner.close()  # frees the in-process engine's memory before the served run loads its own
+    write_experiment(out, path, experiment, config, rows, generation_ms / 3.6e6)
     return rows
 
 
+def run_settings(experiment: ExperimentConfig, path: Path, config: EngineConfig, run: str, dataset: str,
+                 out: Path) -> BenchSettings:
+    return BenchSettings(config=str(path), dataset=dataset, out=out / run / dataset_dir(dataset),
+                         methods=tuple(experiment.methods()), num_prompts=experiment.num_prompts,
+                         max_new_tokens=experiment.max_new_tokens, dtype=config.dtype,
+                         max_prompt_tokens=experiment.max_prompt_tokens, warmup_tokens=experiment.warmup_tokens,
+                         label=None if run == "in-process" else "served: Ray Serve + gRPC, one actor per SSM")
+
+
 def write_experiment(out: Path, path: Path, experiment: ExperimentConfig, config: EngineConfig,
-                     rows: list[ExperimentRow]) -> None:
+                     rows: list[ExperimentRow], generation_hours: float) -> None:
+    verdicts = ensemble_verdicts(rows)
     data = {"experiment": str(path), "dtype": config.dtype, "target": config.target.name,
-            "config": experiment.model_dump(mode="json"), "rows": [asdict(r) for r in rows]}
+            "config": experiment.model_dump(mode="json"), "generation_hours": generation_hours,
+            "rows": [asdict(r) for r in rows],
+            "ensembles": [{**asdict(v), "beats_best_member": v.beats} for v in verdicts]}
     (out / "experiment.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     title = f"{path.name}: target {config.target.name} ({config.dtype})"
-    markdown = experiment_markdown([asdict(r) for r in rows], title, experiment.proposer_names())
+    markdown = experiment_markdown([asdict(r) for r in rows], title, experiment.proposer_names(),
+                                   data["ensembles"], generation_hours)
     (out / "experiment.md").write_text(markdown, encoding="utf-8")
+    plot_ensembles(out / "ensembles.png", data["ensembles"])

@@ -335,24 +335,85 @@ def write_plots(out: Path, results: dict) -> list[Path]:
 # Experiment
 
 
-def experiment_markdown(rows: Sequence[dict], title: str, proposers: Sequence[str]) -> str:
-    """One table over datasets x SSM subsets x schedules; shares are of accepted tokens."""
+def experiment_markdown(rows: Sequence[dict], title: str, proposers: Sequence[str],
+                        ensembles: Sequence[dict] = (), generation_hours: float | None = None) -> str:
+    """One table over runs x datasets x SSM subsets x schedules (shares are of accepted tokens),
+    then every ensemble against its best member (``bench.experiment.ensemble_verdicts``)."""
     lines = [f"# Experiment: {title}", "",
-             "Medians over prompts; speedup is the median per-prompt ratio to `incremental` on the same prompt. "
-             "A proposer's share is the fraction of accepted tokens it had proposed (a token several proposers "
-             "proposed credits each, so shares may add up to more than 100%).", "",
-             "| dataset | SSMs | schedule | prompts | tokens / step | ms / token | speedup | output = incremental | "
-             + " | ".join(f"share {n}" for n in proposers) + " |",
-             "|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(proposers)]
+             "Medians over prompts; speedup is the median per-prompt ratio to `incremental` on the same prompt "
+             "in the same run. A proposer's share is the fraction of accepted tokens it had proposed (a token "
+             "several proposers proposed credits each, so shares may add up to more than 100%). Nodes, drafting "
+             "and verify ms are per verify step over all prompts; drafting counts the SSMs, the merge and "
+             "transport (served: the SSM actors draft concurrently).", "",
+             "| run | dataset | SSMs | schedule | prompts | tokens / step | ms / token | speedup | output = incremental "
+             "| nodes / step | drafting ms / step | verify ms / step | " + " | ".join(f"share {n}" for n in proposers) + " |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(proposers)]
     for r in rows:
         shares = r.get("proposer_share") or {}
-        schedule = "-".join(map(str, r["schedule"])) or "-"
         lines.append(
-            f"| {r['dataset']} | {', '.join(r['ssms']) or '(incremental)'} | {schedule} "
+            f"| {r['run']} | {r['dataset']} | {', '.join(r['ssms']) or '(incremental)'} | {_schedule(r)} "
             f"| {r['prompts']} | {_num(r['tokens_per_step'])} | {_num(r['ms_per_token'], 1)} "
-            f"| {_num(r['speedup_vs_incremental'])} | {_pct(r['outputs_match_incremental'])} | "
+            f"| {_num(r['speedup_vs_incremental'])} | {_pct(r['outputs_match_incremental'])} "
+            f"| {_num(r['nodes_per_step'], 1)} | {_num(r['draft_ms_per_step'], 0)} | {_num(r['verify_ms_per_step'], 0)} | "
             + " | ".join(_pct(shares.get(n, 0.0)) if n in r["ssms"] else "-" for n in proposers) + " |")
-    return "\n".join(lines) + "\n"
+    if generation_hours is not None:
+        lines += ["", f"Generation time: {generation_hours:.2f} h, the sum of every recorded generation's latency "
+                      "over all sittings (warm-ups, model loading and server start-up not counted)."]
+    return "\n".join(lines + ensemble_section(ensembles)) + "\n"
+
+
+def _schedule(row: dict) -> str:
+    return "-".join(map(str, row["schedule"])) or "-"
+
+
+def _ratio(value: float | None, reference: float | None) -> str:
+    return "n/a" if value is None or not reference else f"{value / reference:.2f}x"
+
+
+def ensemble_section(ensembles: Sequence[dict]) -> list[str]:
+    """Does a merged ensemble beat its best member, and why: its speedup is its tokens per step
+    over its step time, so the ratios to the member's say which of the two moved."""
+    if not ensembles:
+        return []
+    lines = ["", "## Ensembles against their best member", "",
+             "The best member is the subset's proposer with the highest speedup alone (same run, dataset and "
+             "schedule). The ratios are the ensemble's over the member's: tokens per step up means the merged "
+             "tree was accepted further; drafting or verify ms per step up means each step cost more.", "",
+             "| run | dataset | schedule | ensemble | best member | speedup | member speedup | beats it | "
+             "tokens / step ratio | drafting ms ratio | verify ms ratio |",
+             "|---|---|---|---|---|---:|---:|---|---:|---:|---:|"]
+    for e in ensembles:
+        lines.append(
+            f"| {e['run']} | {e['dataset']} | {_schedule(e)} | {', '.join(e['ssms'])} | {e['best_member']} "
+            f"| {_num(e['speedup'])} | {_num(e['member_speedup'])} | {'yes' if e['beats_best_member'] else 'no'} "
+            f"| {_ratio(e['tokens_per_step'], e['member_tokens_per_step'])} "
+            f"| {_ratio(e['draft_ms_per_step'], e['member_draft_ms_per_step'])} "
+            f"| {_ratio(e['verify_ms_per_step'], e['member_verify_ms_per_step'])} |")
+    wins = sum(e["beats_best_member"] for e in ensembles)
+    return lines + ["", f"{wins} of {len(ensembles)} ensembles beat their best member."]
+
+
+def plot_ensembles(path: Path, ensembles: Sequence[dict]) -> bool:
+    """Each ensemble's speedup beside its best member's, one panel per run and dataset."""
+    plt = _pyplot()
+    groups = sorted({(e["run"], e["dataset"]) for e in ensembles})
+    if plt is None or not groups:
+        return False
+    fig, axes = plt.subplots(1, len(groups), figsize=(max(6.0, 0.9 * len(ensembles) / len(groups)) * len(groups), 4.5),
+                             squeeze=False)
+    for axis, (run, dataset) in zip(axes[0], groups):
+        mine = [e for e in ensembles if (e["run"], e["dataset"]) == (run, dataset)]
+        labels = [f"{'+'.join(e['ssms'])}\n{_schedule(e)}" for e in mine]
+        x = list(range(len(mine)))
+        axis.bar([i - 0.2 for i in x], [e["member_speedup"] for e in mine], 0.4, label="best member alone")
+        axis.bar([i + 0.2 for i in x], [e["speedup"] for e in mine], 0.4, label="ensemble")
+        axis.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        axis.set_xticks(x, labels, rotation=60, fontsize=7)
+        axis.set_ylabel("speedup vs incremental")
+        axis.set_title(f"{run}, {dataset}")
+        axis.legend(fontsize=8)
+    _save(plt, fig, path)
+    return True
 
 
 def _pct(value: float | None) -> str:

@@ -155,3 +155,38 @@ class GrpcRunner:
 
     def close(self) -> None:
         self.client.close()
+
+
+class ServedRunner:
+    """Runs methods through a Ray Serve app of its own: started on first use (Ray on loopback, the
+    Serve config's proxies on free ports, ``engine_args`` as the app's args), stopped on close."""
+
+    def __init__(self, serve_config: str, engine_args: dict, ready_timeout_s: float, num_cpus: int | None = None,
+                 object_store_memory: int | None = None):
+        self.serve_config, self.engine_args, self.ready_timeout_s = serve_config, engine_args, ready_timeout_s
+        self.ray_resources = {"num_cpus": num_cpus, "object_store_memory": object_store_memory}
+        self._grpc: GrpcRunner | None = None
+
+    @property
+    def grpc(self) -> GrpcRunner:
+        if self._grpc is None:
+            from .local_app import start_app
+
+            address = start_app(self.serve_config, lambda _: self.engine_args, self.ready_timeout_s,
+                                **self.ray_resources)
+            self._grpc = GrpcRunner(address)
+        return self._grpc
+
+    def run(self, method: Method, prompt: EncodedPrompt, max_new_tokens: int, sampling: SamplingParams) -> BenchRow:
+        return self.grpc.run(method, prompt, max_new_tokens, sampling)
+
+    def forget(self) -> None:
+        """Nothing: the app's suffix store belongs to its merge actor (``engine_args`` may switch it off)."""
+
+    def close(self) -> None:
+        if self._grpc is not None:
+            from cluster.cli_serve import stop_serving
+
+            self._grpc.close()
+            self._grpc = None
+            stop_serving()

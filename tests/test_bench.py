@@ -456,27 +456,93 @@ def test_experiment_on_tiny_models(models_dir, prompts_file, tmp_path, monkeypat
     data = json.loads((out / "experiment.json").read_text())
     rows = data["rows"]
     assert len(rows) == 1 + 5 * 2 and rows[0]["method"] == "incremental"
+    assert {r["run"] for r in rows} == {"in-process"} and data["generation_hours"] > 0
     assert all(r["outputs_match_incremental"] == 1.0 for r in rows)
     copy_chain = next(r for r in rows if r["method"] == "tree[copy]:1-1-1")
     assert copy_chain["tokens_per_step"] > 2.0 and copy_chain["proposer_share"] == {"copy": 1.0}
+    assert copy_chain["nodes_per_step"] > 0 and copy_chain["draft_ms_per_step"] > 0
     mixed = next(r for r in rows if r["method"] == "tree[copy,target-1layer,suffix]:2-1")
     assert mixed["proposer_share"]["copy"] == 1.0
+    # the one ensemble, per schedule, against the fastest of its members run alone
+    assert [(e["ssms"], e["schedule"]) for e in data["ensembles"]] == [
+        (["copy", "target-1layer", "suffix"], [2, 1]), (["copy", "target-1layer", "suffix"], [1, 1, 1])]
+    for e in data["ensembles"]:
+        alone = {r["ssms"][0]: r["speedup_vs_incremental"] for r in rows
+                 if len(r["ssms"]) == 1 and r["schedule"] == e["schedule"]}
+        assert e["member_speedup"] == max(alone[n] for n in e["ssms"]) == alone[e["best_member"]]
+        assert e["beats_best_member"] == (e["speedup"] > e["member_speedup"])
     markdown = (out / "experiment.md").read_text()
-    assert "| prompts |" in markdown and "share copy-int8" in markdown
-    assert (out / "prompts" / "results.md").exists()
+    assert "| prompts |" in markdown and "share copy-int8" in markdown and "## Ensembles against their best member" in markdown
+    assert (out / "in-process" / "prompts" / "results.md").exists() and (out / "ensembles.png").stat().st_size > 1000
+    # a bad override is a usage error naming the field, before anything runs
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["experiment", "--config", str(REPO / "configs/experiments/tiny.yaml"), "--out", str(tmp_path / "bad"),
+                  "--runs", "in-process,remote"])
+    assert exit_info.value.code == 2 and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.ray
+def test_experiment_served_run_matches_in_process(models_dir, prompts_file, tmp_path):
+    """The served run (a Ray Serve app of its own, one actor per SSM, in a fresh process so it owns
+    its Ray node) gives every method the same fp32 tokens as the in-process run; a rerun resumes."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "experiment"
+    command = [sys.executable, "-m", "cluster.cli", "experiment", "--config", str(REPO / "configs/experiments/tiny.yaml"),
+               "--out", str(out), "--datasets", str(prompts_file), "--num-prompts", "2", "--runs", "in-process,served"]
+    env = {**os.environ, "SPECINFER_MODELS": str(models_dir), "RAY_USAGE_STATS_ENABLED": "0"}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Started a local Ray instance" in done.stderr + done.stdout
+    tokens = {run: {(r["prompt_id"], r["method"]): r["token_ids"]
+                    for r in json.loads((out / run / "prompts" / "results.json").read_text())["per_prompt"]}
+              for run in ("in-process", "served")}
+    assert len(tokens["served"]) == 2 * 11 and tokens["served"] == tokens["in-process"]
+    served = json.loads((out / "served" / "prompts" / "results.json").read_text())
+    assert served["settings"]["label"].startswith("served") and all(
+        r["server_ms_per_token"] is not None for r in served["per_prompt"])
+    data = json.loads((out / "experiment.json").read_text())
+    assert {e["run"] for e in data["ensembles"]} == {"in-process", "served"}
+    # a finished experiment starts no server and loads no model: a rerun only rewrites the report
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "Ray instance" not in again.stderr + again.stdout, again.stderr[-3000:]
+
+
+def test_ensemble_verdicts_worked_example():
+    from bench.experiment import ExperimentRow, ensemble_verdicts
+
+    def row(ssms, speedup, schedule=(2, 1), run="served"):
+        return ExperimentRow(run, "d", tuple(ssms), schedule, "m", 3, 2.0, 10.0, speedup, 1.0, 1.0, None, 3.0, 5.0, 50.0)
+
+    rows = [row([], 1.0, ()), row(["a"], 1.5), row(["b"], 1.1), row(["a", "b"], 1.4), row(["a", "c"], 2.0),
+            row(["a", "b"], 1.6, schedule=(1, 1)), row(["a"], 1.2, run="in-process"), row(["b"], 1.3, run="in-process"),
+            row(["a", "b"], 1.4, run="in-process")]
+    verdicts = ensemble_verdicts(rows)
+    # (a, c): c never ran alone; (a, b) on schedule 1-1: no member ran alone on it
+    assert [(v.run, v.ssms, v.best_member, v.speedup, v.member_speedup, v.beats) for v in verdicts] == [
+        ("served", ("a", "b"), "a", 1.4, 1.5, False), ("in-process", ("a", "b"), "b", 1.4, 1.3, True)]
 
 
 def test_ensemble_experiment_config_validates():
-    from bench.experiment import engine_config, load_experiment
+    from bench.experiment import engine_config, load_experiment, served_args
 
     path = REPO / "configs/experiments/ensemble.yaml"
     experiment = load_experiment(path)
     config = engine_config(experiment, path)
     assert config.target.name == "qwen2.5-coder-1.5b-instruct" and config.dtype == "bfloat16"
-    assert {m.quantize for m in config.ssms} == {"none", "int8"} and any(m.num_layers == 12 for m in config.ssms)
-    assert experiment.methods()[0] == "incremental" and "tree[suffix]:2-2-1-1" in experiment.methods()
+    assert [(m.name, m.quantize) for m in config.ssms] == [("qwen0.5b", "none"), ("qwen0.5b-int8", "int8")]
+    assert config.speculation.min_confidence == 0.1 and config.speculation.mode == "tree"
+    assert experiment.runs == ["in-process", "served"] and len(experiment.methods()) == 1 + 7 * 3
+    assert "tree[qwen0.5b,qwen0.5b-int8,suffix]:3-2-2-1-1-1" in experiment.methods()
+    args = served_args(config)  # what the served run deploys: batching and the suffix store off
+    assert args["server"]["batching"]["enabled"] is False and args["suffix"]["max_cached_requests"] == 0
+    assert type(config).model_validate(args).ssms == config.ssms
     with pytest.raises(ValueError, match="subset"):
         type(experiment).model_validate({**experiment.model_dump(), "subsets": [["nope"]]})
+    with pytest.raises(ValueError, match="runs"):
+        type(experiment).model_validate({**experiment.model_dump(), "runs": ["served", "served"]})
 
 
 def test_smollm2_fp32_outputs_match_incremental(smollm2_dir, tmp_path):
