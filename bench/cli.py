@@ -116,12 +116,11 @@ def run_experiment_command(args: argparse.Namespace) -> int:
                                    ("datasets", args.datasets.split(",") if args.datasets else None),
                                    ("runs", args.runs.split(",") if args.runs else None)) if v is not None}
     try:  # a bad file or override is a usage error (exit code 2) naming the field
-        experiment = load_experiment(args.config)
-        type(experiment).model_validate({**experiment.model_dump(), **overrides})
+        experiment = load_experiment(args.config, **overrides)
     except (OSError, ValueError) as error:
         args.experiment_parser.error(str(error))
     out = args.out or Path(experiment.out)
-    run_experiment(args.config, out=out, dtype=args.dtype, **overrides)
+    run_experiment(args.config, experiment, out=out, dtype=args.dtype)
     print((out / "experiment.md").read_text(encoding="utf-8"))
     print(f"wrote {out}/experiment.json and experiment.md")
     return 0

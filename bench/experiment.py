@@ -39,7 +39,6 @@ from .workloads import DEFAULT_MAX_PROMPT_TOKENS
 
 OBJECT_STORE_BYTES = 512 * 2**20  # the served run's Ray object store: requests and replies are small
 Run = Literal["in-process", "served"]
-RUNS = ("in-process", "served")
 
 
 class ExperimentConfig(BaseModel):
@@ -101,8 +100,9 @@ class ExperimentConfig(BaseModel):
                                   for subset in self.subsets for schedule in self.schedules]
 
 
-def load_experiment(path: str | Path) -> ExperimentConfig:
-    return ExperimentConfig.model_validate(read_yaml(path))
+def load_experiment(path: str | Path, **overrides) -> ExperimentConfig:
+    """An experiment file, validated with ``overrides`` replacing its fields (datasets, runs, ...)."""
+    return ExperimentConfig.model_validate({**read_yaml(path), **overrides})
 
 
 def resolve_path(value: str, relative_to: Path) -> Path:
@@ -181,23 +181,12 @@ class EnsembleVerdict:
     """A merged ensemble (a subset of two or more proposers) against its best member: the member
     with the highest median speedup run alone, same run, dataset and schedule."""
 
-    run: str
-    dataset: str
-    schedule: tuple[int, ...]
-    ssms: tuple[str, ...]
-    best_member: str
-    speedup: float  # the ensemble's median speedup vs incremental
-    member_speedup: float
-    tokens_per_step: float | None  # ensemble, then best member
-    member_tokens_per_step: float | None
-    draft_ms_per_step: float | None
-    member_draft_ms_per_step: float | None
-    verify_ms_per_step: float | None
-    member_verify_ms_per_step: float | None
+    ensemble: ExperimentRow
+    member: ExperimentRow
 
     @property
     def beats(self) -> bool:
-        return self.speedup > self.member_speedup
+        return self.ensemble.speedup_vs_incremental > self.member.speedup_vs_incremental
 
 
 def ensemble_verdicts(rows: Sequence[ExperimentRow]) -> list[EnsembleVerdict]:
@@ -211,13 +200,8 @@ def ensemble_verdicts(rows: Sequence[ExperimentRow]) -> list[EnsembleVerdict]:
     verdicts = []
     for r in rows:
         members = [alone.get((r.run, r.dataset, r.schedule, name)) for name in r.ssms]
-        if len(r.ssms) < 2 or r.speedup_vs_incremental is None or None in members:
-            continue
-        best = max(members, key=lambda m: m.speedup_vs_incremental)
-        verdicts.append(EnsembleVerdict(
-            r.run, r.dataset, r.schedule, r.ssms, best.ssms[0], r.speedup_vs_incremental,
-            best.speedup_vs_incremental, r.tokens_per_step, best.tokens_per_step, r.draft_ms_per_step,
-            best.draft_ms_per_step, r.verify_ms_per_step, best.verify_ms_per_step))
+        if len(r.ssms) >= 2 and r.speedup_vs_incremental is not None and None not in members:
+            verdicts.append(EnsembleVerdict(r, max(members, key=lambda m: m.speedup_vs_incremental)))
     return verdicts
 
 
@@ -238,13 +222,12 @@ def make_runner(run: str, experiment: ExperimentConfig, config: EngineConfig, pa
                         object_store_memory=OBJECT_STORE_BYTES)
 
 
-def run_experiment(path: str | Path, out: Path | None = None, dtype: str | None = None,
-                   **overrides) -> list[ExperimentRow]:
-    """Run (or resume) every run and dataset; ``overrides`` replace experiment fields (datasets, runs, ...)."""
+def run_experiment(path: str | Path, experiment: ExperimentConfig | None = None, out: Path | None = None,
+                   dtype: str | None = None) -> list[ExperimentRow]:
+    """Run (or resume) every run and dataset of ``experiment`` (default: the file at ``path``, whose
+    folder resolves its relative paths)."""
     path = Path(path)
-    experiment = load_experiment(path)
-    if overrides:
-        experiment = ExperimentConfig.model_validate({**experiment.model_dump(), **overrides})
+    experiment = experiment or load_experiment(path)
     config = engine_config(experiment, path, dtype)
     out = Path(out or experiment.out)
     rows: list[ExperimentRow] = []
@@ -277,7 +260,7 @@ def write_experiment(out: Path, path: Path, experiment: ExperimentConfig, config
     data = {"experiment": str(path), "dtype": config.dtype, "target": config.target.name,
             "config": experiment.model_dump(mode="json"), "generation_hours": generation_hours,
             "rows": [asdict(r) for r in rows],
-            "ensembles": [{**asdict(v), "beats_best_member": v.beats} for v in verdicts]}
+            "ensembles": [{**asdict(v), "beats_best_member": v.beats} for v in verdicts]}  # rows: ensemble, member
     (out / "experiment.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     title = f"{path.name}: target {config.target.name} ({config.dtype})"
     markdown = experiment_markdown([asdict(r) for r in rows], title, experiment.proposer_names(),

@@ -383,12 +383,13 @@ def ensemble_section(ensembles: Sequence[dict]) -> list[str]:
              "tokens / step ratio | drafting ms ratio | verify ms ratio |",
              "|---|---|---|---|---|---:|---:|---|---:|---:|---:|"]
     for e in ensembles:
+        mine, member = e["ensemble"], e["member"]
+        ratios = " | ".join(_ratio(mine[key], member[key])
+                            for key in ("tokens_per_step", "draft_ms_per_step", "verify_ms_per_step"))
         lines.append(
-            f"| {e['run']} | {e['dataset']} | {_schedule(e)} | {', '.join(e['ssms'])} | {e['best_member']} "
-            f"| {_num(e['speedup'])} | {_num(e['member_speedup'])} | {'yes' if e['beats_best_member'] else 'no'} "
-            f"| {_ratio(e['tokens_per_step'], e['member_tokens_per_step'])} "
-            f"| {_ratio(e['draft_ms_per_step'], e['member_draft_ms_per_step'])} "
-            f"| {_ratio(e['verify_ms_per_step'], e['member_verify_ms_per_step'])} |")
+            f"| {mine['run']} | {mine['dataset']} | {_schedule(mine)} | {', '.join(mine['ssms'])} "
+            f"| {member['ssms'][0]} | {_num(mine['speedup_vs_incremental'])} "
+            f"| {_num(member['speedup_vs_incremental'])} | {'yes' if e['beats_best_member'] else 'no'} | {ratios} |")
     wins = sum(e["beats_best_member"] for e in ensembles)
     return lines + ["", f"{wins} of {len(ensembles)} ensembles beat their best member."]
 
@@ -396,17 +397,18 @@ def ensemble_section(ensembles: Sequence[dict]) -> list[str]:
 def plot_ensembles(path: Path, ensembles: Sequence[dict]) -> bool:
     """Each ensemble's speedup beside its best member's, one panel per run and dataset."""
     plt = _pyplot()
-    groups = sorted({(e["run"], e["dataset"]) for e in ensembles})
+    groups = sorted({(e["ensemble"]["run"], e["ensemble"]["dataset"]) for e in ensembles})
     if plt is None or not groups:
         return False
     fig, axes = plt.subplots(1, len(groups), figsize=(max(6.0, 0.9 * len(ensembles) / len(groups)) * len(groups), 4.5),
                              squeeze=False)
     for axis, (run, dataset) in zip(axes[0], groups):
-        mine = [e for e in ensembles if (e["run"], e["dataset"]) == (run, dataset)]
-        labels = [f"{'+'.join(e['ssms'])}\n{_schedule(e)}" for e in mine]
+        pairs = [e for e in ensembles if (e["ensemble"]["run"], e["ensemble"]["dataset"]) == (run, dataset)]
+        mine, members = [e["ensemble"] for e in pairs], [e["member"] for e in pairs]
+        labels = [f"{'+'.join(r['ssms'])}\n{_schedule(r)}" for r in mine]
         x = list(range(len(mine)))
-        axis.bar([i - 0.2 for i in x], [e["member_speedup"] for e in mine], 0.4, label="best member alone")
-        axis.bar([i + 0.2 for i in x], [e["speedup"] for e in mine], 0.4, label="ensemble")
+        axis.bar([i - 0.2 for i in x], [r["speedup_vs_incremental"] for r in members], 0.4, label="best member alone")
+        axis.bar([i + 0.2 for i in x], [r["speedup_vs_incremental"] for r in mine], 0.4, label="ensemble")
         axis.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         axis.set_xticks(x, labels, rotation=60, fontsize=7)
         axis.set_ylabel("speedup vs incremental")

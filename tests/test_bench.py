@@ -464,13 +464,15 @@ def test_experiment_on_tiny_models(models_dir, prompts_file, tmp_path, monkeypat
     mixed = next(r for r in rows if r["method"] == "tree[copy,target-1layer,suffix]:2-1")
     assert mixed["proposer_share"]["copy"] == 1.0
     # the one ensemble, per schedule, against the fastest of its members run alone
-    assert [(e["ssms"], e["schedule"]) for e in data["ensembles"]] == [
+    assert [(e["ensemble"]["ssms"], e["ensemble"]["schedule"]) for e in data["ensembles"]] == [
         (["copy", "target-1layer", "suffix"], [2, 1]), (["copy", "target-1layer", "suffix"], [1, 1, 1])]
     for e in data["ensembles"]:
+        mine, member = e["ensemble"], e["member"]
+        assert mine in rows and member in rows and member["schedule"] == mine["schedule"]
         alone = {r["ssms"][0]: r["speedup_vs_incremental"] for r in rows
-                 if len(r["ssms"]) == 1 and r["schedule"] == e["schedule"]}
-        assert e["member_speedup"] == max(alone[n] for n in e["ssms"]) == alone[e["best_member"]]
-        assert e["beats_best_member"] == (e["speedup"] > e["member_speedup"])
+                 if len(r["ssms"]) == 1 and r["schedule"] == mine["schedule"]}
+        assert member["speedup_vs_incremental"] == max(alone[n] for n in mine["ssms"]) == alone[member["ssms"][0]]
+        assert e["beats_best_member"] == (mine["speedup_vs_incremental"] > member["speedup_vs_incremental"])
     markdown = (out / "experiment.md").read_text()
     assert "| prompts |" in markdown and "share copy-int8" in markdown and "## Ensembles against their best member" in markdown
     assert (out / "in-process" / "prompts" / "results.md").exists() and (out / "ensembles.png").stat().st_size > 1000
@@ -504,7 +506,7 @@ def test_experiment_served_run_matches_in_process(models_dir, prompts_file, tmp_
     assert served["settings"]["label"].startswith("served") and all(
         r["server_ms_per_token"] is not None for r in served["per_prompt"])
     data = json.loads((out / "experiment.json").read_text())
-    assert {e["run"] for e in data["ensembles"]} == {"in-process", "served"}
+    assert {e["ensemble"]["run"] for e in data["ensembles"]} == {"in-process", "served"}
     # a finished experiment starts no server and loads no model: a rerun only rewrites the report
     again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "Ray instance" not in again.stderr + again.stdout, again.stderr[-3000:]
@@ -521,7 +523,8 @@ def test_ensemble_verdicts_worked_example():
             row(["a", "b"], 1.4, run="in-process")]
     verdicts = ensemble_verdicts(rows)
     # (a, c): c never ran alone; (a, b) on schedule 1-1: no member ran alone on it
-    assert [(v.run, v.ssms, v.best_member, v.speedup, v.member_speedup, v.beats) for v in verdicts] == [
+    assert [(v.ensemble.run, v.ensemble.ssms, v.member.ssms[0], v.ensemble.speedup_vs_incremental,
+             v.member.speedup_vs_incremental, v.beats) for v in verdicts] == [
         ("served", ("a", "b"), "a", 1.4, 1.5, False), ("in-process", ("a", "b"), "b", 1.4, 1.3, True)]
 
 
