@@ -328,7 +328,7 @@ class ModelDrafter:
         """
         parents = torch.tensor(builder.parents, dtype=torch.long)
         visible = ancestor_mask(parents)[level][:, cached + level]  # [F, K]
-        bias = attention_bias(visible, committed_length, self.model.dtype)
+        bias = attention_bias(visible, committed_length, kv.activation_dtype(self.model))
         device = self.model.device
         ids = torch.tensor([[builder.tokens[n] for n in level]], dtype=torch.long, device=device)
         position_ids = torch.full_like(ids, committed_length - 1 + depth)

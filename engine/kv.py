@@ -20,6 +20,18 @@ def cache_argument(model, cache: DynamicCache) -> dict:
     return {_cache_parameter(type(model)): cache}
 
 
+def activation_dtype(model) -> torch.dtype:
+    """The dtype ``model``'s hidden states, keys, values and attention biases are in: that of its
+    last floating-point parameter (the final norm or the output head).
+
+    ``model.dtype`` reads the first one, the input embedding table, which is not always the
+    compute dtype: ``engine.models.quantize_int8`` keeps a bf16 table (widened per lookup) while
+    its int8 linears and norms compute in float32. Worked examples: a bf16 model -> bfloat16;
+    a float32 one -> float32; int8 quantized from bf16 -> float32 (table bf16, final norm float32).
+    """
+    return [p for p in model.parameters() if p.is_floating_point()][-1].dtype
+
+
 def cache_length(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kv import activation_dtype
+
 
 class PoolExhausted(RuntimeError):
     """The pool has no free block for a request (admission should have prevented this)."""
@@ -137,7 +139,7 @@ class KVStorage:
         """Storage for ``model``; with ``shards`` tensor-parallel ranks, one rank's share of the heads."""
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+        dtype = activation_dtype(model)
         return cls(config.num_hidden_layers, heads_per_shard(config, shards), head_dim, slots, dtype,
                    next(model.parameters()).device)
 

@@ -87,7 +87,7 @@ class TargetModel:
         """One forward over all tree nodes: positions prefix + depth, each node sees its
         ancestors and itself. The tree's KV entries are appended until ``commit``."""
         prefix = state.length
-        bias = attention_bias(ancestor_mask(tree.parents), prefix, self.model.dtype)
+        bias = attention_bias(ancestor_mask(tree.parents), prefix, kv.activation_dtype(self.model))
         device = self.model.device
         out = self.model(
             input_ids=tree.tokens[None].to(device),

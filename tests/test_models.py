@@ -91,3 +91,62 @@ def test_int8_keeps_bf16_embeddings_and_the_same_logits(tied):
     ids = torch.tensor([[5, 17, 3, 88, 41]])
     with torch.inference_mode():
         assert torch.equal(quantized(ids).logits, reference(ids).logits)
+
+
+def int8_pair_engine(paged: bool, float_table: bool):
+    """A bf16 target with an int8 SSM quantized from bf16 (the default pair's dtypes), or, with
+    ``float_table``, the same SSM quantized the library's way (every float weight float32)."""
+    import torch
+
+    from engine.draft import ModelDrafter
+    from engine.generate import SpeculativeEngine
+    from engine.models import quantize_int8
+    from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
+    from engine.target import TargetModel
+    from tests.tiny_models import IdTokenizer
+
+    target = tiny_model("llama", 97, layers=2, seed=0).to(torch.bfloat16)
+    ssm = tiny_model("llama", 97, layers=1, seed=1).to(torch.bfloat16)
+    if float_table:
+        ssm = torch.ao.quantization.quantize_dynamic(ssm.float(), {torch.nn.Linear}, dtype=torch.qint8)
+    else:
+        ssm = quantize_int8(ssm)
+    if not paged:
+        return SpeculativeEngine(TargetModel(target), [ModelDrafter(ssm, 0, "ssm")], IdTokenizer(), [], 1024)
+    target_pool, target_batcher = paged_parts(target, 1024)
+    ssm_pool, ssm_batcher = paged_parts(ssm, 1024)
+    return SpeculativeEngine(PagedTarget(target, target_pool, target_batcher),
+                             [PagedDrafter(ssm, 0, "ssm", ssm_pool, ssm_batcher)], IdTokenizer(), [], 1024)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_int8_ssm_with_a_bf16_table_drafts_as_with_a_float32_table(paged):
+    """The SSM's masks and KV entries follow its float32 compute, not its bf16 embedding table
+    (``model.dtype``): a bf16 target with such an SSM generates, in-process and paged, exactly what
+    it generates with the same SSM holding a float32 table (same tokens, same accepted drafts)."""
+    from engine.requests import GenerationRequest, SpeculationOptions
+
+    request = GenerationRequest(tuple(range(30, 45)), 24, speculation=SpeculationOptions(expansion=(2, 2, 1)))
+    got, want = (int8_pair_engine(paged, table).generate(request) for table in (False, True))
+    assert got.token_ids == want.token_ids
+    assert (got.stats.accepted_per_depth, got.stats.tree_sizes) == (want.stats.accepted_per_depth, want.stats.tree_sizes)
+    assert got.stats.accepted_tokens > 0  # the drafts were used, so the comparison covers them
+
+
+@pytest.mark.parametrize("dtype,quantized,expected", [
+    ("bfloat16", False, "bfloat16"), ("float32", False, "float32"), ("bfloat16", True, "float32"),
+])
+def test_activation_dtype_and_kv_pool_follow_the_compute(dtype, quantized, expected):
+    """``kv.activation_dtype`` (masks, KV pools) is the compute dtype; for int8 quantized from bf16
+    that is float32, though ``model.dtype`` reads the bf16 embedding table."""
+    import torch
+
+    from engine.kv import activation_dtype
+    from engine.kv_pool import KVStorage
+    from engine.models import quantize_int8
+
+    model = tiny_model("llama", 97, layers=1, seed=1).to(getattr(torch, dtype))
+    if quantized:
+        model = quantize_int8(model)
+    assert activation_dtype(model) == getattr(torch, expected)
+    assert KVStorage.for_model(model, slots=4).keys[0].dtype == getattr(torch, expected)
