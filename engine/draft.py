@@ -4,6 +4,7 @@ proposer (``actors.suffix``) builds its proposals with ``TreeBuilder`` too."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -154,6 +155,11 @@ class ModelDrafter:
         self.level_ms = 0.0  # a level forward's cost (moving average), for cost-aware shapes
         self._shapes: dict[object, ShapeHistory] = {}  # state (hashed by identity) -> its shape history
         self._stream = None  # its CUDA stream (on_own_stream), made on first use
+
+    @functools.cached_property
+    def dtype(self) -> torch.dtype:
+        """Its masks' dtype, read once (``kv.activation_dtype`` walks every parameter)."""
+        return kv.activation_dtype(self.model)
 
     def on_own_stream(self) -> contextlib.AbstractContextManager:
         """On CUDA: run the drafter's work on a stream of its own (made once), so that it overlaps the
@@ -328,7 +334,7 @@ class ModelDrafter:
         """
         parents = torch.tensor(builder.parents, dtype=torch.long)
         visible = ancestor_mask(parents)[level][:, cached + level]  # [F, K]
-        bias = attention_bias(visible, committed_length, kv.activation_dtype(self.model))
+        bias = attention_bias(visible, committed_length, self.dtype)
         device = self.model.device
         ids = torch.tensor([[builder.tokens[n] for n in level]], dtype=torch.long, device=device)
         position_ids = torch.full_like(ids, committed_length - 1 + depth)

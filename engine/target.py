@@ -64,6 +64,7 @@ class TargetState:
 class TargetModel:
     def __init__(self, model):
         self.model = model
+        self.dtype = kv.activation_dtype(model)  # its masks' dtype (read once: it walks every parameter)
 
     def new_state(self, reserve_tokens: int = 0) -> TargetState:
         """A DynamicCache grows as needed: nothing to reserve."""
@@ -87,7 +88,7 @@ class TargetModel:
         """One forward over all tree nodes: positions prefix + depth, each node sees its
         ancestors and itself. The tree's KV entries are appended until ``commit``."""
         prefix = state.length
-        bias = attention_bias(ancestor_mask(tree.parents), prefix, kv.activation_dtype(self.model))
+        bias = attention_bias(ancestor_mask(tree.parents), prefix, self.dtype)
         device = self.model.device
         out = self.model(
             input_ids=tree.tokens[None].to(device),
