@@ -3,6 +3,7 @@ proposer (``actors.suffix``) builds its proposals with ``TreeBuilder`` too."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import time
@@ -13,7 +14,7 @@ from transformers import DynamicCache
 
 from . import kv
 from .sampling import SamplingParams, warp
-from .shape import ShapeHistory, TreeCost, another_level_pays, best_size
+from .shape import ShapeHistory, TreeCost, best_size, frontier_to_expand
 from .tree import TokenTree, ancestor_mask, attention_bias
 
 CHILDREN_RULES = ("top_k", "sampled", "sampled_without_replacement")
@@ -152,7 +153,7 @@ class ModelDrafter:
         self.model = model
         self.proposer = proposer
         self.name = name
-        self.level_ms = 0.0  # a level forward's cost (moving average), for cost-aware shapes
+        self.forward_ms: dict[int, float] = {}  # tokens in a forward -> its ms (moving average), for cost-aware shapes
         self._shapes: dict[object, ShapeHistory] = {}  # state (hashed by identity) -> its shape history
         self._stream = None  # its CUDA stream (on_own_stream), made on first use
 
@@ -254,16 +255,17 @@ class ModelDrafter:
         return builder.build()
 
     def _draft_by_cost(self, cache, committed: list[int], spec: DraftSpec) -> Proposal:
-        """Cost-aware growth (``engine.shape``): each level's ``beam`` most probable nodes get their
-        ``branch`` most likely children while one more level is expected to pay; the nodes that
-        maximise expected tokens per ms are kept."""
+        """Cost-aware growth (``engine.shape``): each level, as many of the ``beam`` most probable
+        nodes as are expected to pay get their ``branch`` most likely children, while one more level
+        is expected to pay; the nodes that maximise expected tokens per ms are kept."""
         began, cost, limit = time.perf_counter(), spec.cost, (spec.max_nodes or 1 << 30) - 1
         history = self.shape_history(cache)
         stepping = history.last is not None  # not the request's first draft, which feeds its whole prompt
+        fed = max(1, len(committed) - history.last[0]) if stepping else 0  # the tokens accepted since
         history.observe(committed)
         logits = self._extend(cache, committed)[None]  # [F, V], F = 1 at the root
         if stepping:  # the accepted tokens: a forward of a few tokens, like a level's, keeps the estimate fresh
-            self._time_forward(began)
+            self._time_forward(began, fed)
         builder, path = TreeBuilder(root=committed[-1], proposer=self.proposer), [1.0]
         frontier, cached = [0], []
         for depth in range(1, cost.max_depth + 1):
@@ -271,22 +273,42 @@ class ModelDrafter:
             ratio = self._expand(builder, path, logits, frontier, cost.branch)
             frontier = sorted(range(first, len(builder.tokens)), key=lambda n: -path[n])[:cost.beam]
             elapsed = (time.perf_counter() - began) * 1e3
-            if depth == cost.max_depth or not another_level_pays(
-                    sorted(path[1:], reverse=True), [path[n] for n in frontier], ratio, history.calibration,
-                    elapsed, self.level_ms, cost, limit, history.overlap):
+            count = 0 if depth == cost.max_depth else frontier_to_expand(
+                sorted(path[1:], reverse=True), [path[n] for n in frontier], ratio, history.calibration,
+                elapsed, self.level_costs(len(frontier)), cost, limit, history.overlap)
+            if not count:
                 break
+            frontier = frontier[:count]
             level_began = time.perf_counter()
             logits = self._forward_level(cache, builder, frontier, cached, depth, len(committed))
-            self._time_forward(level_began)
+            self._time_forward(level_began, count)
             cached += frontier
         self.rollback(cache, len(committed))
         return self._keep_best(builder, path, history, len(committed), (time.perf_counter() - began) * 1e3,
                                cost, limit)
 
-    def _time_forward(self, began: float) -> None:
-        """Fold one SSM forward's ms into ``level_ms`` (a moving average)."""
+    def level_costs(self, most: int) -> list[float]:
+        """Expected ms of a level forward over 1..``most`` nodes: each size's own moving average,
+        linear between measured sizes, the nearest end's beyond them (0 before any forward was timed).
+        Example: measured {1: 25, 4: 34} -> level_costs(5) [25, 28, 31, 34, 34]."""
+        sizes = sorted(self.forward_ms)
+        if not sizes:
+            return [0.0] * most
+        costs = []
+        for f in range(1, most + 1):
+            i = bisect.bisect_left(sizes, f)
+            if i == 0 or i == len(sizes):
+                costs.append(self.forward_ms[sizes[min(i, len(sizes) - 1)]])
+                continue
+            (s0, m0), (s1, m1) = (sizes[i - 1], self.forward_ms[sizes[i - 1]]), (sizes[i], self.forward_ms[sizes[i]])
+            costs.append(m0 + (m1 - m0) * (f - s0) / (s1 - s0))
+        return costs
+
+    def _time_forward(self, began: float, tokens: int) -> None:
+        """Fold one SSM forward's ms over ``tokens`` tokens into ``forward_ms`` (a moving average)."""
         ms = (time.perf_counter() - began) * 1e3
-        self.level_ms = ms if not self.level_ms else 0.8 * self.level_ms + 0.2 * ms
+        last = self.forward_ms.get(tokens)
+        self.forward_ms[tokens] = ms if last is None else 0.8 * last + 0.2 * ms
 
     def _expand(self, builder: TreeBuilder, path: list[float], logits: torch.Tensor,  # logits [F, V]
                 frontier: list[int], branch: int) -> float:

@@ -13,8 +13,10 @@ the request's drafts (its *overlap*, the faded rate of prefetch hits) was drafte
 verification, and there the shorter of the two is hidden (``step_ms``).
 ``acceptance(p)`` is calibrated from the request's own history (how often a node of path
 probability about ``p`` was accepted; the prior is ``p`` itself), ``verify_ms`` is the target's
-measured verify-cost curve. Drafting stops when one more level is not expected to raise the best
-rate. Under continuous batching the verify pass is shared (``BatchLoad``): the choice maximises the
+measured verify-cost curve. Each level expands only as many of the ``beam`` best nodes as are
+expected to pay (``frontier_to_expand``): on a confident stretch the tree grows as a chain, a
+one-token SSM forward per level, and drafting stops when one more level is not expected to raise
+the best rate. Under continuous batching the verify pass is shared (``BatchLoad``): the choice maximises the
 *batch's* expected tokens per ms (after SmartSpec's goodput), counting the other running requests'
 tokens in the pass and their expected accepted tokens, so that a request keeps fewer nodes, or none
 (plain decoding), when its extra tokens would slow everyone more than they add. Ranking by path probability keeps every kept node's parent (a child's path probability never
@@ -145,17 +147,29 @@ def best_size(probs: Sequence[float], calibration: Calibration, draft_ms: float,
     return best
 
 
-def another_level_pays(probs: Sequence[float], frontier: Sequence[float], ratio: float, calibration: Calibration,
-                       draft_ms: float, level_ms: float, cost: TreeCost, limit: int, overlap: float = 0.0) -> bool:
-    """Whether drafting one more level is expected to raise the best rate.
+def frontier_to_expand(probs: Sequence[float], frontier: Sequence[float], ratio: float, calibration: Calibration,
+                       draft_ms: float, level_ms: Sequence[float], cost: TreeCost, limit: int,
+                       overlap: float = 0.0) -> int:
+    """How many of the best ``frontier`` nodes one more level should expand; 0: stop drafting.
 
-    ``frontier``: path probabilities of the nodes the level would expand; each is expected to gain
-    a best child of path probability ``p * ratio`` (``ratio``: the mean top child probability of the
-    last level), for one more SSM forward of ``level_ms``. ``overlap``: as in ``step_ms``.
+    ``frontier``: path probabilities of the candidates (best first); each is expected to gain a best
+    child of path probability ``p * ratio`` (``ratio``: the mean top child probability of the last
+    level). ``level_ms[f - 1]``: the SSM forward's ms over ``f`` nodes. The count chosen is the one
+    whose grown tree has the best rate (``best_size``), if that beats stopping now; so a confident
+    chain is extended alone (a one-token forward, cheaper than the whole beam's), and a level is
+    drafted only while it is expected to pay. ``overlap``: as in ``step_ms``.
+
+    Example: probs [0.8, 0.1], frontier [0.8, 0.1], ratio 0.9, no history, draft 5 ms, level 10 ms
+    for 1 node and 30 ms for 2, a flat 100 ms verify: rates now 1.9/105; with the 0.72 child
+    2.62/115; with both children 2.71/135: expand 1.
     """
-    now = best_size(probs, calibration, draft_ms, cost, limit, overlap)[1]
-    grown = sorted(list(probs) + [p * ratio for p in frontier], reverse=True)
-    return best_size(grown, calibration, draft_ms + level_ms, cost, limit, overlap)[1] > now
+    best, now = 0, best_size(probs, calibration, draft_ms, cost, limit, overlap)[1]
+    for count in range(1, len(frontier) + 1):
+        grown = sorted(list(probs) + [p * ratio for p in frontier[:count]], reverse=True)
+        rate = best_size(grown, calibration, draft_ms + level_ms[count - 1], cost, limit, overlap)[1]
+        if rate > now:
+            best, now = count, rate
+    return best
 
 
 @dataclass

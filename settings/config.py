@@ -77,9 +77,9 @@ class CostTreeConfig(Strict):
     count maximises expected tokens per ms from the measured verify-cost curve and the request's
     calibrated acceptance."""
 
-    beam: int = Field(default=4, ge=1, le=64, description="nodes expanded per level (the most probable)")
+    beam: int = Field(default=4, ge=1, le=64, description="nodes a level may expand (the most probable, as many as are expected to pay)")
     branch: int = Field(default=4, ge=1, le=64, description="children drafted per expanded node")
-    max_depth: int = Field(default=8, ge=1, le=32, description="SSM levels at most")
+    max_depth: int = Field(default=16, ge=1, le=32, description="SSM levels at most")
     curve_max_tokens: int = Field(default=64, ge=1, le=4096, description="the verify-cost curve is measured up to this")
 
 

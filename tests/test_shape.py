@@ -17,9 +17,10 @@ from engine.generate import SpeculativeEngine
 from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.sampling import SamplingParams, make_generator
-from engine.shape import PRIOR, BatchLoad, Calibration, ShapeHistory, TreeCost, another_level_pays, best_size, step_ms
+from engine.shape import PRIOR, BatchLoad, Calibration, ShapeHistory, TreeCost, best_size, frontier_to_expand, step_ms
 from engine.step import plan_proposers
 from engine.target import TargetModel
+from engine.tree import depths
 from tests.lookup_models import LookupDrafter, LookupLM, chi_square, prefix_distribution
 from tests.test_distribution import PROMPT, SAMPLES, SSM_A, T1, TARGET, THRESHOLD, Walk, report, summary, walk
 from tests.tiny_models import IdTokenizer, reference_greedy, tiny_model
@@ -155,21 +156,32 @@ def test_a_request_whose_trees_stopped_paying_tries_again():
 
 
 @pytest.mark.parametrize("level_ms,cost,expected", [
-    (1.0, FLAT, True),  # a cheap level, free verification
-    (500.0, FLAT, False),  # a level costs more than it can bring
-    (1.0, STEEP, False),  # verification too dear for any tree
+    ([1.0], FLAT, 1),  # a cheap level, free verification
+    ([500.0], FLAT, 0),  # a level costs more than it can bring
+    ([1.0], STEEP, 0),  # verification too dear for any tree
 ])
-def test_another_level_pays(level_ms, cost, expected):
-    assert another_level_pays([0.8, 0.1], [0.8], 0.9, Calibration(), 5.0, level_ms, cost, 64) is expected
+def test_frontier_to_expand(level_ms, cost, expected):
+    assert frontier_to_expand([0.8, 0.1], [0.8], 0.9, Calibration(), 5.0, level_ms, cost, 64) == expected
+
+
+@pytest.mark.parametrize("frontier,level_ms,expected", [
+    ([0.8, 0.1], [10.0, 30.0], 1),  # the docstring's example: the confident node alone, a cheap forward
+    ([0.8, 0.1], [10.0, 10.0], 2),  # the same forward either way: both pay
+    ([0.8, 0.7], [10.0, 30.0], 2),  # two confident nodes are worth the dearer forward
+    ([0.02, 0.01], [10.0, 30.0], 0),  # nothing left worth a forward: stop
+])
+def test_a_level_expands_the_nodes_that_pay(frontier, level_ms, expected):
+    flat = TreeCost(((1, 100.0), (64, 100.0)))
+    assert frontier_to_expand([0.8, 0.1], frontier, 0.9, Calibration(), 5.0, level_ms, flat, 64) == expected
 
 
 def test_a_level_hidden_behind_verification_pays():
     """A 500 ms level beside a 1000 ms pass: drafted in turn it costs more than its expected token
     brings; drafted during the previous verification it is free."""
     slow = TreeCost(((1, 1000.0), (64, 1000.0)))
-    args = ([0.8, 0.1], [0.8], 0.9, Calibration(), 5.0, 500.0, slow, 64)
-    assert not another_level_pays(*args, overlap=0.0)
-    assert another_level_pays(*args, overlap=1.0)
+    args = ([0.8, 0.1], [0.8], 0.9, Calibration(), 5.0, [500.0], slow, 64)
+    assert frontier_to_expand(*args, overlap=0.0) == 0
+    assert frontier_to_expand(*args, overlap=1.0) == 1
 
 
 @pytest.mark.parametrize("committed,accepted", [
@@ -209,6 +221,33 @@ def test_cost_aware_trees_are_trees_within_budget(beam, branch, depth, max_nodes
     assert is_tree_by_rank(proposal, max_nodes)
     assert bool(proposal.draws.deterministic.all()) and proposal.draws.q is None
     assert proposal.tree.size - 1 <= beam * branch * (depth - 1) + branch
+
+
+class CountingDrafter(LookupDrafter):
+    """A lookup drafter that records how many nodes each level forward took."""
+
+    def __init__(self, lm: LookupLM, forward_ms: dict[int, float]):
+        super().__init__(lm, 0, "ssm")
+        self.forward_ms, self.widths = dict(forward_ms), []
+
+    def _forward_level(self, cache, builder, level, *rest) -> torch.Tensor:  # -> [F, V]
+        self.widths.append(len(level))
+        return super()._forward_level(cache, builder, level, *rest)
+
+
+CONFIDENT = LookupLM(12, seed=4, scale=20.0)  # along its greedy path one token takes nearly all the mass
+
+
+@pytest.mark.parametrize("forward_ms,widths", [
+    ({1: 1.0, 4: 4.0}, [1] * 7),  # a one-node forward is cheaper: the confident chain alone, to max_depth
+    ({1: 1.0, 4: 1.0}, [4] * 7),  # control: the whole beam costs the same, so it is all expanded
+])
+def test_a_confident_stretch_grows_as_a_chain(forward_ms, widths):
+    drafter = CountingDrafter(CONFIDENT, forward_ms)
+    spec = DraftSpec((1,), "top_k", SamplingParams(), max_nodes=64, cost=FLAT)
+    proposal = drafter.draft(drafter.new_state(), [3, 5], spec, make_generator(0, 1))
+    assert drafter.widths == widths
+    assert int(depths(proposal.tree.parents).max()) == FLAT.max_depth
 
 
 def mean_tree(cost: TreeCost, adaptive: bool = True, children: str = "top_k") -> float:
