@@ -72,6 +72,45 @@ class DraftSpec:
         return self.cost is not None and self.adaptive and self.rule == "top_k"
 
 
+@dataclass(frozen=True)
+class DraftedLevels:
+    """The SSM's KV entries of the nodes a draft expanded (fed in a level forward), put aside when the
+    draft ends, so that the next draft feeds only the committed tokens the last one did not.
+
+    An expanded node's entry is the one feeding its token after the committed ones would make: the
+    level forward gave it its ancestors' entries, itself, and position ``len(prefix) - 1 + depth``.
+
+    prefix:   the committed tokens it was drafted after (the root last)
+    children: (parent node, token) -> node, every node drafted (root 0)
+    rows:     expanded node -> its row in ``entries`` (level order)
+    entries:  per layer (keys, values), each [B, H, R, D] (``ModelDrafter.save_entries``)
+    """
+
+    prefix: tuple[int, ...]
+    children: dict[tuple[int, int], int]
+    rows: dict[int, int]
+    entries: object
+
+    def rows_for(self, committed: list[int]) -> list[int]:
+        """The rows of the committed tokens past ``prefix``, in order, up to the first one the draft did
+        not expand; never the last committed token (the next root, which is fed for its logits).
+
+        Example: prefix (5, 7), tree 7 -> a(1) -> b(2), 7 -> c(3), expanded 1 then 2 (rows 0, 1):
+        committed (5, 7, a, b, x) -> [0, 1]; (5, 7, a, x) -> [0]; (5, 7, c, x) -> [] (3 was a leaf);
+        (5, 9, a, x) -> [] (another prefix).
+        """
+        start = len(self.prefix)
+        if len(committed) <= start or tuple(committed[:start]) != self.prefix:
+            return []
+        node, rows = 0, []
+        for token in committed[start:-1]:
+            node = self.children.get((node, token), -1)
+            if node not in self.rows:
+                break
+            rows.append(self.rows[node])
+        return rows
+
+
 @dataclass
 class TreeBuilder:
     """Accumulates a proposal; identical (parent, token) children share one node."""
@@ -155,6 +194,7 @@ class ModelDrafter:
         self.name = name
         self.forward_ms: dict[int, float] = {}  # tokens in a forward -> its ms (moving average), for cost-aware shapes
         self._shapes: dict[object, ShapeHistory] = {}  # state (hashed by identity) -> its shape history
+        self._levels: dict[object, DraftedLevels] = {}  # state -> the last draft's expanded nodes' entries
         self._stream = None  # its CUDA stream (on_own_stream), made on first use
 
     @functools.cached_property
@@ -177,8 +217,9 @@ class ModelDrafter:
         return DynamicCache(config=self.model.config)
 
     def release(self, state: DynamicCache) -> None:
-        """Forget the request's shape history; a DynamicCache is freed with its state."""
+        """Forget the request's shape history and drafted levels; a DynamicCache is freed with its state."""
         self._shapes.pop(state, None)
+        self._levels.pop(state, None)
 
     def shape_history(self, state) -> ShapeHistory:
         """The request's calibration and last proposal (made on first use, dropped by ``release``)."""
@@ -197,6 +238,17 @@ class ModelDrafter:
             self._shapes.pop(state, None)
         else:
             self._shapes[state] = history
+
+    def levels_of(self, state) -> DraftedLevels | None:
+        """The entries the last draft put aside (``DraftedLevels``), None if none."""
+        return self._levels.get(state)
+
+    def set_levels(self, state, levels: DraftedLevels | None) -> None:
+        """Put back drafted levels from ``levels_of`` (prefetch drafts each guess from the same ones)."""
+        if levels is None:
+            self._levels.pop(state, None)
+        else:
+            self._levels[state] = levels
 
     # -- What prefetch (engine.prefetch) does to a state besides drafting. ----------------------
 
@@ -231,11 +283,12 @@ class ModelDrafter:
         """Extend the cache with the committed tokens it lacks, then expand level by level.
 
         ``committed`` ends with the root (the last committed token). On return the cache holds
-        exactly the committed tokens: the drafted levels are cropped away.
+        exactly the committed tokens: the drafted levels are cropped away, and their entries put
+        aside (``DraftedLevels``) for the next draft, which feeds only the tokens they lack.
         """
         if spec.cost_aware:
             return self._draft_by_cost(cache, committed, spec)
-        logits = self._extend(cache, committed)[None]  # [F, V], F = 1 at the root
+        logits = self._extend(cache, committed)[0][None]  # [F, V], F = 1 at the root
         builder = TreeBuilder(root=committed[-1], proposer=self.proposer)
         frontier, cached, confidence = [0], [], {0: 1.0}
         for depth, width in enumerate(spec.schedule, start=1):
@@ -251,7 +304,7 @@ class ModelDrafter:
                 break
             logits = self._forward_level(cache, builder, frontier, cached, depth, len(committed))
             cached += frontier
-        self.rollback(cache, len(committed))
+        self._put_levels_aside(cache, committed, builder, cached)
         return builder.build()
 
     def _draft_by_cost(self, cache, committed: list[int], spec: DraftSpec) -> Proposal:
@@ -261,9 +314,9 @@ class ModelDrafter:
         began, cost, limit = time.perf_counter(), spec.cost, (spec.max_nodes or 1 << 30) - 1
         history = self.shape_history(cache)
         stepping = history.last is not None  # not the request's first draft, which feeds its whole prompt
-        fed = max(1, len(committed) - history.last[0]) if stepping else 0  # the tokens accepted since
         history.observe(committed)
-        logits = self._extend(cache, committed)[None]  # [F, V], F = 1 at the root
+        root_logits, fed = self._extend(cache, committed)
+        logits = root_logits[None]  # [F, V], F = 1 at the root
         if stepping:  # the accepted tokens: a forward of a few tokens, like a level's, keeps the estimate fresh
             self._time_forward(began, fed)
         builder, path = TreeBuilder(root=committed[-1], proposer=self.proposer), [1.0]
@@ -283,7 +336,7 @@ class ModelDrafter:
             logits = self._forward_level(cache, builder, frontier, cached, depth, len(committed))
             self._time_forward(level_began, count)
             cached += frontier
-        self.rollback(cache, len(committed))
+        self._put_levels_aside(cache, committed, builder, cached)
         return self._keep_best(builder, path, history, len(committed), (time.perf_counter() - began) * 1e3,
                                cost, limit)
 
@@ -337,13 +390,42 @@ class ModelDrafter:
         history.last = (length, list(pruned.tokens), list(pruned.parents), [1.0] + [path[n] for n in kept])
         return pruned.build()
 
-    def _extend(self, cache: DynamicCache, committed: list[int]) -> torch.Tensor:  # -> [V]
-        """Feed the committed tokens the cache lacks (at least the root); logits after the root."""
-        start = min(kv.cache_length(cache), len(committed) - 1)
+    def _put_levels_aside(self, cache, committed: list[int], builder: TreeBuilder, cached: list[int]) -> None:
+        """End a draft: keep the expanded nodes' entries aside (``DraftedLevels``; none when nothing
+        was expanded or the drafter keeps none), then crop the cache to the committed tokens."""
+        entries = self._save_levels(cache, len(committed)) if cached else None
+        if entries is None:
+            self._levels.pop(cache, None)
+        else:
+            rows = {node: row for row, node in enumerate(cached)}
+            self._levels[cache] = DraftedLevels(tuple(committed), dict(builder.index), rows, entries)
+        self.rollback(cache, len(committed))
+
+    def _save_levels(self, cache: DynamicCache, start: int) -> object | None:
+        """A copy of the drafted levels' entries (those from ``start`` on), or None to keep none."""
+        return kv.tail(cache, start)
+
+    def _resume(self, cache: DynamicCache, committed: list[int]) -> int:
+        """Bring the cache to as many committed tokens as it can hold without a forward: those it
+        holds, then the accepted ones the last draft expanded (``DraftedLevels.rows_for``), never the
+        root. Returns that count; the drafted levels are used once."""
+        length, levels = kv.cache_length(cache), self._levels.pop(cache, None)
+        if levels is not None and length == len(levels.prefix):
+            rows = levels.rows_for(committed)
+            if rows:
+                kv.append_rows(cache, levels.entries, rows)
+                length += len(rows)
+        start = min(length, len(committed) - 1)
         kv.crop(cache, start)
+        return start
+
+    def _extend(self, cache: DynamicCache, committed: list[int]) -> tuple[torch.Tensor, int]:  # -> [V], fed
+        """Feed the committed tokens the cache lacks (at least the root): the logits after the root,
+        and how many tokens were fed."""
+        start = self._resume(cache, committed)
         ids = torch.tensor([committed[start:]], dtype=torch.long, device=self.model.device)
         out = self.model(input_ids=ids, **kv.cache_argument(self.model, cache), use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float().cpu()
+        return out.logits[0, -1].float().cpu(), len(committed) - start
 
     def _forward_level(
         self, cache: DynamicCache, builder: TreeBuilder, level: list[int], cached: list[int], depth: int,

@@ -69,6 +69,17 @@ def tail(cache: DynamicCache, start: int) -> tuple[tuple[torch.Tensor, torch.Ten
     return tuple((layer.keys[..., start:, :].clone(), layer.values[..., start:, :].clone()) for layer in cache.layers)
 
 
+def append_rows(cache: DynamicCache, entries: tuple[tuple[torch.Tensor, torch.Tensor], ...], rows: list[int]) -> None:
+    """Append the ``rows`` of saved entries (from ``tail``) after the cached ones, in that order.
+
+    Example: 10 cached entries, 5 saved, rows [0, 2] -> 12 entries: saved rows 0 and 2 at 10 and 11.
+    """
+    index = torch.tensor(rows, dtype=torch.long, device=cache.layers[0].keys.device)
+    for layer, (keys, values) in zip(cache.layers, entries):
+        layer.keys = torch.cat([layer.keys, keys.index_select(-2, index)], dim=-2)
+        layer.values = torch.cat([layer.values, values.index_select(-2, index)], dim=-2)
+
+
 def restore_tail(cache: DynamicCache, start: int, entries: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> None:
     """Crop to ``start`` and append ``entries`` (from ``tail``): the cache holds what it held when
     ``tail`` copied them, value for value."""

@@ -73,10 +73,15 @@ class PagedDrafter(ModelDrafter):
         with self.batcher.participant():  # batches wait for this request's next level
             return super().draft(state, committed, spec, generator)
 
-    def _extend(self, state: PagedSequence, committed: list[int]) -> torch.Tensor:  # -> [V]
+    def _save_levels(self, state: PagedSequence, start: int) -> None:
+        """Keeps no drafted levels: each draft feeds every token the last step accepted."""
+        return None
+
+    def _extend(self, state: PagedSequence, committed: list[int]) -> tuple[torch.Tensor, int]:  # -> [V], fed
         state.truncate(min(state.length, len(committed) - 1))
         # the request's first draft feeds its prompt; later ones the few tokens the last step accepted
-        return feed(self.batcher, state, committed[state.length:], prompt=state.length == 0)
+        tokens = committed[state.length:]
+        return feed(self.batcher, state, tokens, prompt=state.length == 0), len(tokens)
 
     def _forward_level(self, state: PagedSequence, builder: TreeBuilder, level: list[int], cached: list[int],
                        depth: int, committed_length: int) -> torch.Tensor:  # -> [F, V]

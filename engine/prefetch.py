@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .draft import DraftSpec, ModelDrafter, Proposal
+from .draft import DraftedLevels, DraftSpec, ModelDrafter, Proposal
 from .kv_pool import PoolExhausted
 from .shape import ShapeHistory
 from .step import Assignment, Drafted, Prefetched, draft_with
@@ -105,6 +105,7 @@ class Prepared:
     draft_ms: float
     entries: object  # the KV entries past the step's committed length (ModelDrafter.save_entries)
     history: ShapeHistory | None  # the shape history drafting left (None: not cost-aware)
+    levels: DraftedLevels | None = None  # the drafted levels it put aside (ModelDrafter.levels_of)
 
 
 class PrefetchJob:
@@ -172,7 +173,7 @@ def prefetch(drafter: ModelDrafter, cache, committed: list[int], tree: TokenTree
     path, base = best_path(tree), len(committed)
     if not path or count < 1:
         return
-    saved = copy.deepcopy(drafter.shape_of(cache))
+    saved, levels = copy.deepcopy(drafter.shape_of(cache)), drafter.levels_of(cache)
     try:
         logits = path_logits(drafter, cache, committed, tree.tokens[path].tolist())
         job.offer(path_guesses(committed, tree, path, logits, count))
@@ -181,14 +182,16 @@ def prefetch(drafter: ModelDrafter, cache, committed: list[int], tree: TokenTree
             proposal = drafter.draft(cache, list(outcome), job.spec, generator_at(len(outcome)))
             draft_ms = (time.perf_counter() - began) * 1e3
             job.add(Prepared(outcome, proposal, draft_ms, drafter.save_entries(cache, base),
-                             copy.deepcopy(drafter.shape_of(cache))))
+                             copy.deepcopy(drafter.shape_of(cache)), drafter.levels_of(cache)))
             drafter.rollback(cache, base)
             drafter.set_shape(cache, copy.deepcopy(saved))
+            drafter.set_levels(cache, levels)  # each guess starts from the step's own drafted levels
     except PoolExhausted:
         logger.debug("prefetch stopped: the SSM's pool has no unreserved block left")
     finally:
         drafter.rollback(cache, base)
         drafter.set_shape(cache, saved)
+        drafter.set_levels(cache, levels)
 
 
 def record_outcome(drafter: ModelDrafter, cache, hit: bool) -> None:
@@ -202,9 +205,10 @@ def record_outcome(drafter: ModelDrafter, cache, hit: bool) -> None:
 
 
 def install(drafter: ModelDrafter, cache, job: PrefetchJob, prepared: Prepared) -> None:
-    """Make the state what drafting ``prepared`` left: its KV entries and its shape history."""
+    """Make the state what drafting ``prepared`` left: its KV entries, shape history and drafted levels."""
     drafter.restore_entries(cache, job.base, prepared.entries)
     drafter.set_shape(cache, prepared.history)
+    drafter.set_levels(cache, prepared.levels)
 
 
 def take_or_draft(drafter: ModelDrafter, cache, committed: list[int], assignment: Assignment,

@@ -215,11 +215,18 @@ def ssm():
 
 def make_drafter(kind: str, ssm, name: str) -> ModelDrafter:
     """A plain drafter (DynamicCache) or a paged one over a pool of its own (blocks of 4 slots, so
-    entries cross block boundaries)."""
+    entries cross block boundaries). Its SSM forwards cost what they cost by the table below, not by
+    the clock: which nodes a cost-aware level expands decides the batch their entries are computed
+    in, and the next draft reuses the accepted ones, so two drafters agree bit for bit only if they
+    expand the same nodes."""
     if kind == "plain":
-        return ModelDrafter(ssm, 0, name)
-    pool, batcher = paged_parts(ssm, tokens=512, block_size=4)
-    return PagedDrafter(ssm, 0, name, pool, batcher)
+        drafter = ModelDrafter(ssm, 0, name)
+    else:
+        pool, batcher = paged_parts(ssm, tokens=512, block_size=4)
+        drafter = PagedDrafter(ssm, 0, name, pool, batcher)
+    drafter.forward_ms.update({1: 1.0, 2: 1.5, 4: 2.5})
+    drafter._time_forward = lambda began, tokens: None
+    return drafter
 
 
 def entries(drafter: ModelDrafter, state) -> list[tuple[torch.Tensor, torch.Tensor]]:
