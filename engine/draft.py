@@ -83,7 +83,7 @@ class DraftedLevels:
     prefix:   the committed tokens it was drafted after (the root last)
     children: (parent node, token) -> node, every node drafted (root 0)
     rows:     expanded node -> its row in ``entries`` (level order)
-    entries:  per layer (keys, values), each [B, H, R, D] (``ModelDrafter.save_entries``)
+    entries:  per layer (keys, values), each [B, H, K, D] (``ModelDrafter.save_entries``)
     """
 
     prefix: tuple[int, ...]

@@ -251,3 +251,27 @@ class Backoff:
         self.wait = 0 if nodes else min(self.limit, max(1, 2 * self.wait))
         self.left = self.wait
 
+
+CARRIED_TOKENS = 4  # accepted tokens, all proposed by a model-free proposer, that let the SSMs sit out
+
+
+@dataclass
+class ModelFreeLead:
+    """The cost-aware SSMs sit out while a model-free proposer (the suffix proposer) alone carries
+    the request: after a step whose accepted tokens were all proposed by it (the SSMs may have
+    proposed them too), at least ``min_tokens`` of them, the next step drafts without the SSMs (no SSM
+    forward); they draft again after a step that accepted fewer. On a stretch the suffix proposer
+    has seen before (a repeated prompt, text copied from the prompt) the SSMs' drafting adds nothing
+    the suffix tree lacks. It reads the request's own verdicts only, so outputs stay exact.
+
+    Example (min_tokens 4, proposer 1 model-free): accepted_by ((0, 1),) * 5 -> carried; then
+    ((1,),) * 6 -> carried; then ((1,),) -> not; ((0, 1), (0,), (0, 1), (0, 1)) -> not (token 2 was
+    the SSM's alone).
+    """
+
+    min_tokens: int = CARRIED_TOKENS
+    carried: bool = False
+
+    def record(self, accepted_by: Sequence[Sequence[int]], model_free: frozenset[int]) -> None:
+        """One verified step: ``accepted_by[i]`` the proposers of accepted token i."""
+        self.carried = len(accepted_by) >= self.min_tokens and all(model_free.intersection(p) for p in accepted_by)

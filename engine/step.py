@@ -30,7 +30,7 @@ from .merge import merge
 from .requests import (HOPS, GenerationRequest, GenerationStats, SpeculationOptions, StepOutcome, StepUpdate)
 from .sampling import SamplingParams, make_generator, warp
 from .budget import RunningLoad
-from .shape import Backoff, TreeCost
+from .shape import Backoff, ModelFreeLead, TreeCost
 from .target import Target, TargetStateLike
 from .text import TextStream
 from .tree import TokenTree, depths, fit_schedule, schedule_nodes
@@ -227,6 +227,8 @@ class Session:
         self.backend, self.request, self.names, self.neural = backend, request, tuple(names), tuple(neural)
         self.cost, self.load = cost, load
         self.backoff = Backoff()  # plain decoding while cost-aware trees keep choosing no nodes
+        self.lead = ModelFreeLead()  # the suffix proposer alone while it carries the steps
+        self.model_free = frozenset(i for i, is_model in enumerate(neural) if not is_model)
         if load is not None:
             load.join(self)
         self.eos_ids, self.tree_budget = frozenset(eos_ids), tree_budget
@@ -256,7 +258,7 @@ class Session:
         began = time.perf_counter()
         plan = self._under_load()
         cost_aware = any(a.spec.cost_aware for a in plan)
-        if cost_aware and not self.backoff.drafts():
+        if cost_aware and (self._led(plan) or not self.backoff.drafts()):
             plan, cost_aware = tuple(a for a in plan if not a.spec.cost_aware), False
         if plan:
             drafted = await self.backend.draft(self.committed, plan)  # draft + merge
@@ -268,6 +270,7 @@ class Session:
         record_step(self.stats, outcome, self.names, (time.perf_counter() - began) * 1e3)
         if cost_aware:
             self.backoff.record(outcome.draft_tokens)
+        self.lead.record(outcome.accepted_by, self.model_free)
         if self.load is not None:
             self.load.record(self, outcome.draft_tokens + 1, len(outcome.tokens))
         return self._emit(list(outcome.tokens))
@@ -276,6 +279,10 @@ class Session:
         if self.load is not None:
             self.load.leave(self)
         self.backend.release()
+
+    def _led(self, plan: Sequence[Assignment]) -> bool:
+        """Whether the model-free proposers in ``plan`` carried the last step (``ModelFreeLead``)."""
+        return self.lead.carried and any(a.proposer in self.model_free for a in plan)
 
     def _plan(self, max_tree_nodes: int) -> None:
         """The assignments for trees of at most ``max_tree_nodes`` (kept until that changes)."""

@@ -67,8 +67,11 @@ class LookupDrafter(ModelDrafter):
     def new_state(self):
         return NoCache()
 
-    def _extend(self, cache, committed: list[int]) -> torch.Tensor:  # -> [V]
-        return self.lm.table[committed[-2], committed[-1]]
+    def _extend(self, cache, committed: list[int]) -> tuple[torch.Tensor, int]:  # -> [V], tokens fed
+        return self.lm.table[committed[-2], committed[-1]], 1
+
+    def _save_levels(self, cache, start: int) -> None:
+        return None  # no KV entries to keep
 
     def _forward_level(self, cache, builder, level, *_) -> torch.Tensor:  # -> [F, V]
         """Logits at each node of ``level`` (tree node indices), from its (parent, own) tokens."""

@@ -12,12 +12,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actors.suffix import SuffixDrafter
 from engine.draft import DraftSpec, ModelDrafter, Proposal, TreeBuilder
 from engine.generate import SpeculativeEngine
 from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.sampling import SamplingParams, make_generator
-from engine.shape import PRIOR, BatchLoad, Calibration, ShapeHistory, TreeCost, best_size, frontier_to_expand, step_ms
+from engine.shape import (PRIOR, BatchLoad, Calibration, ModelFreeLead, ShapeHistory, TreeCost, best_size,
+                          frontier_to_expand, step_ms)
 from engine.step import plan_proposers
 from engine.target import TargetModel
 from engine.tree import depths
@@ -438,3 +440,52 @@ def test_a_request_whose_cost_aware_trees_keep_no_nodes_decodes_plainly():
     updates = list(iterate_sync(session.updates()))
     assert sum(len(u.token_ids) for u in updates) == 21 and steps[0] == 20
     assert drafted_at == [0, 2, 5, 10, 19]  # steps 1, 3, 6, 11, 20: sitting out 1, 2, 4, 8
+
+
+@pytest.mark.parametrize("steps,carried", [  # proposer 1 is the model-free one; min_tokens 4
+    ([((0, 1),) * 5], True),  # every accepted token was the suffix proposer's too
+    ([((1,),) * 4], True),  # the SSMs sat out and it carried on
+    ([((1,),) * 3], False),  # too few
+    ([((0, 1), (0,), (0, 1), (0, 1))], False),  # token 2 was the SSM's alone
+    ([((0, 1),) * 5, ((1,),)], False),  # carried, then a step that accepted one: the SSMs draft again
+    ([()], False),  # nothing accepted
+])
+def test_model_free_lead_follows_the_last_step(steps, carried):
+    lead = ModelFreeLead()
+    for accepted_by in steps:
+        lead.record(accepted_by, frozenset({1}))
+    assert lead.carried is carried
+
+
+class CountingModelDrafter(ModelDrafter):
+    def __init__(self, model):
+        super().__init__(model, 0, "ssm")
+        self.calls = 0
+
+    def draft(self, *args, **kwargs):
+        self.calls += 1
+        return super().draft(*args, **kwargs)
+
+
+@pytest.mark.parametrize("lead", [True, False])
+def test_the_ssm_sits_out_while_the_suffix_proposer_carries_the_steps(models, monkeypatch, lead):
+    """A repeated request: the suffix proposer finds the first answer in its global store, so after
+    its first carried step the SSM sits out (3 of the 7 steps here, tiny models, 40 tokens); the
+    output is the target's own greedy output. Negative control (no lead): the SSM drafts every step."""
+    target, ssm = models
+    if not lead:
+        monkeypatch.setattr("engine.step.ModelFreeLead", lambda: ModelFreeLead(min_tokens=10 ** 6))
+    drafter = CountingModelDrafter(ssm)
+    engine = SpeculativeEngine(TargetModel(target), [drafter, SuffixDrafter(1)], IdTokenizer(), set(), cost=FLAT)
+    first = engine.generate(GenerationRequest(LONG, 40))
+    drafter.calls = 0
+    second = engine.generate(GenerationRequest(LONG, 40))
+    expected = reference_greedy(target, list(LONG), 40)
+    assert list(first.token_ids) == list(second.token_ids) == expected
+    steps = second.stats.target_steps - 1  # the prefill counts as a target step
+    assert second.stats.accepted_per_proposer["suffix"] > 20
+    if lead:
+        assert 1 <= drafter.calls <= steps - 3
+    else:
+        assert drafter.calls == steps
+
