@@ -183,10 +183,19 @@ def choose_children(
     return result
 
 
+def _set_or_drop(table: dict, state, value) -> None:
+    """``table[state] = value``, or drop the state's entry when ``value`` is None."""
+    if value is None:
+        table.pop(state, None)
+    else:
+        table[state] = value
+
+
 class ModelDrafter:
     """A neural SSM drafting a whole tree level per forward with the tree attention mask."""
 
     own_stream = True  # on CUDA, drafting may run on a stream of its own (on_own_stream)
+    keeps_levels = True  # a draft puts its expanded nodes' entries aside for the next (DraftedLevels)
 
     def __init__(self, model, proposer: int, name: str):
         self.model = model
@@ -234,10 +243,7 @@ class ModelDrafter:
 
     def set_shape(self, state, history: ShapeHistory | None) -> None:
         """Put back a shape history from ``shape_of`` (prefetch drafts ahead, then restores it)."""
-        if history is None:
-            self._shapes.pop(state, None)
-        else:
-            self._shapes[state] = history
+        _set_or_drop(self._shapes, state, history)
 
     def levels_of(self, state) -> DraftedLevels | None:
         """The entries the last draft put aside (``DraftedLevels``), None if none."""
@@ -245,10 +251,7 @@ class ModelDrafter:
 
     def set_levels(self, state, levels: DraftedLevels | None) -> None:
         """Put back drafted levels from ``levels_of`` (prefetch drafts each guess from the same ones)."""
-        if levels is None:
-            self._levels.pop(state, None)
-        else:
-            self._levels[state] = levels
+        _set_or_drop(self._levels, state, levels)
 
     # -- What prefetch (engine.prefetch) does to a state besides drafting. ----------------------
 
@@ -393,17 +396,12 @@ class ModelDrafter:
     def _put_levels_aside(self, cache, committed: list[int], builder: TreeBuilder, cached: list[int]) -> None:
         """End a draft: keep the expanded nodes' entries aside (``DraftedLevels``; none when nothing
         was expanded or the drafter keeps none), then crop the cache to the committed tokens."""
-        entries = self._save_levels(cache, len(committed)) if cached else None
-        if entries is None:
-            self._levels.pop(cache, None)
-        else:
-            rows = {node: row for row, node in enumerate(cached)}
-            self._levels[cache] = DraftedLevels(tuple(committed), dict(builder.index), rows, entries)
+        levels = None
+        if cached and self.keeps_levels:
+            levels = DraftedLevels(tuple(committed), builder.index, {node: row for row, node in enumerate(cached)},
+                                   self.save_entries(cache, len(committed)))
+        self.set_levels(cache, levels)
         self.rollback(cache, len(committed))
-
-    def _save_levels(self, cache: DynamicCache, start: int) -> object | None:
-        """A copy of the drafted levels' entries (those from ``start`` on), or None to keep none."""
-        return kv.tail(cache, start)
 
     def _resume(self, cache: DynamicCache, committed: list[int]) -> int:
         """Bring the cache to as many committed tokens as it can hold without a forward: those it

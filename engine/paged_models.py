@@ -56,6 +56,7 @@ class PagedDrafter(ModelDrafter):
     """A neural SSM drafting over its own pool; one forward per tree level for all requests."""
 
     own_stream = False  # a packed forward runs on whichever request's thread leads it: one stream for all
+    keeps_levels = False  # not yet: each draft feeds every token the last step accepted
 
     def __init__(self, model, proposer: int, name: str, pool: BlockPool, batcher: ForwardBatcher):
         super().__init__(model, proposer, name)
@@ -72,10 +73,6 @@ class PagedDrafter(ModelDrafter):
               generator: torch.Generator) -> Proposal:
         with self.batcher.participant():  # batches wait for this request's next level
             return super().draft(state, committed, spec, generator)
-
-    def _save_levels(self, state: PagedSequence, start: int) -> None:
-        """Keeps no drafted levels: each draft feeds every token the last step accepted."""
-        return None
 
     def _extend(self, state: PagedSequence, committed: list[int]) -> tuple[torch.Tensor, int]:  # -> [V], fed
         state.truncate(min(state.length, len(committed) - 1))

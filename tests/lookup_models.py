@@ -60,6 +60,8 @@ class NoCache:
 class LookupDrafter(ModelDrafter):
     """ModelDrafter's own ``draft`` loop; the SSM forward is a table look-up (no KV cache)."""
 
+    keeps_levels = False  # no KV entries to keep
+
     def __init__(self, lm: LookupLM, proposer: int, name: str):
         super().__init__(model=None, proposer=proposer, name=name)
         self.lm = lm
@@ -69,9 +71,6 @@ class LookupDrafter(ModelDrafter):
 
     def _extend(self, cache, committed: list[int]) -> tuple[torch.Tensor, int]:  # -> [V], tokens fed
         return self.lm.table[committed[-2], committed[-1]], 1
-
-    def _save_levels(self, cache, start: int) -> None:
-        return None  # no KV entries to keep
 
     def _forward_level(self, cache, builder, level, *_) -> torch.Tensor:  # -> [F, V]
         """Logits at each node of ``level`` (tree node indices), from its (parent, own) tokens."""
