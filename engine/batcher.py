@@ -44,7 +44,7 @@ class ForwardBatcher:
     queued, a batch waits for them up to ``window_s`` or ``window_fraction`` of the last forward's
     time, whichever is longer (calls of one step arrive milliseconds apart: each request's result
     is streamed to its client before its next call). ``chunk_tokens``: the most prompt tokens one
-    forward takes, all requests together, the earliest-begun prompt first (chunked prefill:
+    forward takes, all requests together, in ``prompt_order`` (chunked prefill:
     ``engine.paged_models.feed`` submits prompts in chunks of at most this); None: no limit."""
 
     def __init__(self, model: PackedModel, window_s: float = 0.0, expected: Callable[[], int] | None = None,
@@ -54,6 +54,7 @@ class ForwardBatcher:
         self.model, self.chunk_tokens = model, chunk_tokens
         self.window_s, self.window_fraction, self.expected = window_s, window_fraction, expected
         self._opened, self._last_forward_s = 0.0, 0.0
+        self.s_per_token = 0.0  # seconds per token of the forwards with prompt chunks (moving average; 0 before any)
         self.counters = BatchCounters()
         self._cond = threading.Condition()
         self._queue: list[_Ticket] = []
@@ -133,6 +134,7 @@ class ForwardBatcher:
         finally:
             self._last_forward_s = time.monotonic() - began
             self._count(batch)
+            self._time_tokens(batch)
             with self._cond:
                 for ticket in batch:
                     ticket.done = True
@@ -140,15 +142,14 @@ class ForwardBatcher:
                 self._cond.notify_all()
 
     def _split(self, queue: list[_Ticket]) -> tuple[list[_Ticket], list[_Ticket]]:
-        """(this forward's tickets, those left for the next): prompt chunks in the order their
-        prompts began (the earliest-arrived prompt is prefilled first, so its first token is not
-        held back by later prompts' chunks) up to ``chunk_tokens`` prompt tokens; the first of them
+        """(this forward's tickets, those left for the next): prompt chunks in ``prompt_order`` up to
+        ``chunk_tokens`` prompt tokens (once one waits, the later ones wait too); the first of them
         always goes, and so does every item that is not a prompt chunk.
-        Example: chunk 8; tree 5, prompts begun at t=3 (4 tokens), t=1 (6), t=2 (2) -> [5, 6, 2],
-        left [4]."""
+        Example: chunk 8, no timing yet; tree 5, prompts begun at t=3 (4 tokens), t=1 (6), t=2 (2)
+        -> [5, 6, 2], left [4]."""
         if self.chunk_tokens is None:
             return queue, []
-        prompts = sorted((t for t in queue if t.item.prompt is not None), key=lambda t: t.item.prompt)
+        prompts = sorted((t for t in queue if t.item.prompt is not None), key=lambda t: self.prompt_order(t.item))
         batch, rest, total = [t for t in queue if t.item.prompt is None], [], 0
         for ticket in prompts:
             n = len(ticket.item.tokens)
@@ -158,6 +159,23 @@ class ForwardBatcher:
             total += n
             batch.append(ticket)
         return batch, rest
+
+    def prompt_order(self, item: ForwardItem) -> float:
+        """A prompt chunk's place in line: when its prompt would have finished, prefilled alone from
+        the moment it began (its tokens left at the measured seconds per token), earliest first.
+        Prompts that arrive together go shortest first (the burst's median first token comes
+        soonest), and a long prompt is never starved: newer prompts' places lie after ``now``.
+        Example: 0.01 s per token; begun at t=0 with 300 tokens left -> 3.0; at t=1 with 40 -> 1.4
+        (goes first); at t=2.9 with 40 -> 3.3 (goes after the long one)."""
+        return item.prompt.began + item.prompt.remaining * self.s_per_token
+
+    def _time_tokens(self, batch: list[_Ticket]) -> None:
+        """Fold the last forward's seconds per token into ``s_per_token`` if it prefilled a prompt
+        chunk (a decode step's few tokens would count its whole cost against each)."""
+        tokens = sum(len(ticket.item.tokens) for ticket in batch)
+        if any(ticket.item.prompt is not None for ticket in batch):
+            rate = self._last_forward_s / tokens
+            self.s_per_token = rate if not self.s_per_token else 0.8 * self.s_per_token + 0.2 * rate
 
     def _waiting_for_more(self) -> bool:
         if self.expected is None or self._window() <= 0:

@@ -34,6 +34,15 @@ ATTENTION = "specinfer_paged"
 
 
 @dataclass(frozen=True)
+class PromptChunk:
+    """A forward item that is a chunk of a prompt: when its prompt began feeding
+    (``time.monotonic()``) and the prompt tokens still to feed, this chunk's included."""
+
+    began: float
+    remaining: int
+
+
+@dataclass(frozen=True)
 class ForwardItem:
     """New tokens of one sequence for a packed forward.
 
@@ -42,9 +51,9 @@ class ForwardItem:
     visible:   # [n, K] bool over the sequence's speculative entries after these n are
                #   appended (K = pending + n); committed entries are always visible
     rows:      # [r] int64, which of the n tokens need logits
-    prompt:    for a chunk of a prompt (``engine.paged_models.feed``), when that prompt began
-               feeding: prompt chunks count against the batcher's ``chunk_tokens`` per forward and
-               go in that order (None: not a prompt chunk)
+    prompt:    for a chunk of a prompt (``engine.paged_models.feed``), when that prompt began and
+               how much of it is left: prompt chunks count against the batcher's ``chunk_tokens``
+               per forward, in the order of ``ForwardBatcher.prompt_order`` (None: not a prompt chunk)
     """
 
     sequence: PagedSequence
@@ -52,7 +61,7 @@ class ForwardItem:
     positions: torch.Tensor  # [n]
     visible: torch.Tensor  # [n, K]
     rows: torch.Tensor  # [r]
-    prompt: float | None = None
+    prompt: PromptChunk | None = None
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,7 @@ class PackedModel(Protocol):
 
 
 def chain_item(sequence: PagedSequence, tokens: list[int], last_only: bool = True,
-               prompt: float | None = None) -> ForwardItem:
+               prompt: PromptChunk | None = None) -> ForwardItem:
     """Committed tokens fed in order (prefill, catching up): causal over themselves."""
     n, start = len(tokens), sequence.length + sequence.pending
     visible = torch.ones(n, sequence.pending + n, dtype=torch.bool)

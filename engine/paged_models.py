@@ -18,7 +18,7 @@ import torch
 from .batcher import ForwardBatcher
 from .draft import DraftSpec, ModelDrafter, Proposal, TreeBuilder
 from .kv_pool import BlockPool, PagedSequence, SavedEntries
-from .packed import ForwardItem, PackedModel, PagedModel, chain_item
+from .packed import ForwardItem, PackedModel, PagedModel, PromptChunk, chain_item
 from .tree import TokenTree, ancestor_mask, positions
 
 
@@ -116,19 +116,21 @@ def feed(batcher: ForwardBatcher, state: PagedSequence, tokens: list[int],
     """Commit ``tokens`` to ``state`` (a prompt, or what its cache lacks); the logits after the last.
 
     Chunked prefill: chunks of at most ``batcher.chunk_tokens``, each committed before the next is
-    submitted. A ``prompt``'s chunks are marked with the moment it began, and the batcher puts at
-    most ``chunk_tokens`` prompt tokens (all requests together, the prompt that began first first)
-    in one packed forward; other feeds (the few tokens a step accepted) always go. So the other running requests' forwards run beside
-    a long prompt's chunks instead of waiting for the whole prompt, and prompts that arrive
-    together are prefilled one after another, not all in one forward that delays every first
-    token. Example: 10 tokens, chunks of 4 -> forwards of 4, 4 and 2 tokens.
+    submitted. A ``prompt``'s chunks are marked with the moment it began and the tokens it has
+    left (``PromptChunk``), and the batcher puts at most ``chunk_tokens`` prompt tokens (all
+    requests together, in ``ForwardBatcher.prompt_order``) in one packed forward; other feeds (the
+    few tokens a step accepted) always go. So the other running requests' forwards run beside a
+    long prompt's chunks instead of waiting for the whole prompt, and prompts that arrive together
+    are prefilled a chunk budget at a time, the shortest first, not all in one forward that delays
+    every first token. Example: 10 tokens, chunks of 4 -> forwards of 4, 4 and 2 tokens.
     """
     if not tokens:
         raise ValueError("feed needs at least one token (the root)")
     size, since = batcher.chunk_tokens or len(tokens), time.monotonic() if batcher.chunk_tokens and prompt else None
     for start in range(0, len(tokens), size):
         chunk = tokens[start:start + size]
-        logits = batcher.submit(chain_item(state, chunk, prompt=since))  # [1, V]
+        marked = None if since is None else PromptChunk(since, len(tokens) - start)
+        logits = batcher.submit(chain_item(state, chunk, prompt=marked))  # [1, V]
         state.keep(list(range(len(chunk))))
     return logits[0].cpu()
 

@@ -463,19 +463,44 @@ def test_prompts_arriving_together_are_prefilled_one_chunk_budget_at_a_time(mode
         torch.testing.assert_close(got, feed(alone, PagedSequence(alone_pool), prompt), rtol=1e-5, atol=1e-5)
 
 
-def test_prompt_chunks_go_in_the_order_their_prompts_began():
-    """The batcher's split (the docstring's example): every item that is not a prompt chunk goes;
-    prompt chunks go earliest-begun prompt first, up to chunk_tokens, and once one waits the later
-    ones wait too (so a prompt that began first gets its first token first)."""
-    from engine.batcher import ForwardBatcher, _Ticket
+def prompt_ticket(n, began=None, remaining=None):
+    from engine.batcher import _Ticket
+    from engine.packed import PromptChunk
 
-    def ticket(n, began=None):
-        return _Ticket(ForwardItem(None, torch.zeros(n, dtype=torch.long), torch.arange(n), torch.ones(n, n).bool(),
-                                   torch.tensor([n - 1]), began))
+    chunk = None if began is None else PromptChunk(began, n if remaining is None else remaining)
+    return _Ticket(ForwardItem(None, torch.zeros(n, dtype=torch.long), torch.arange(n), torch.ones(n, n).bool(),
+                               torch.tensor([n - 1]), chunk))
+
+
+def test_prompt_chunks_go_in_the_order_their_prompts_began_before_any_timing():
+    """The batcher's split (the docstring's example): every item that is not a prompt chunk goes;
+    with no forward timed yet, prompt chunks go earliest-begun prompt first, up to chunk_tokens,
+    and once one waits the later ones wait too."""
+    from engine.batcher import ForwardBatcher
 
     batcher = ForwardBatcher(model=None, chunk_tokens=8)
-    tree, late, first, second = ticket(5), ticket(4, 3.0), ticket(6, 1.0), ticket(2, 2.0)
+    tree, late, first, second = prompt_ticket(5), prompt_ticket(4, 3.0), prompt_ticket(6, 1.0), prompt_ticket(2, 2.0)
     batch, rest = batcher._split([tree, late, first, second])
     assert (batch, rest) == ([tree, first, second], [late])
-    batch, rest = batcher._split([ticket(9, 2.0), ticket(1, 1.0)])  # an early small chunk, then a big one
+    batch, rest = batcher._split([prompt_ticket(9, 2.0), prompt_ticket(1, 1.0)])  # an early small chunk, then a big one
     assert [len(t.item.tokens) for t in batch] == [1] and [len(t.item.tokens) for t in rest] == [9]
+
+
+@pytest.mark.parametrize("tickets, first_forward", [
+    # a burst (begun together): the shortest prompts fill the budget, the long one waits
+    ([(8, 100.0, 300), (3, 100.0, 3), (2, 100.001, 2), (6, 100.0, 6)], [2, 3]),
+    # the docstring's example, 0.01 s per token: a long prompt begun at 0 (3.0) after a short one begun at 1 (1.4)
+    ([(8, 0.0, 300), (4, 1.0, 40)], [4]),
+    # ... but before one begun at 2.9 (3.3): newer prompts never starve it
+    ([(8, 0.0, 300), (4, 2.9, 40)], [8]),
+])
+def test_prompt_chunks_go_in_the_order_they_would_finish_alone(tickets, first_forward):
+    """With 0.01 s per prompt token measured: the earliest finish, prefilled alone from when the
+    prompt began (began + tokens left x seconds per token), goes first."""
+    from engine.batcher import ForwardBatcher
+
+    batcher = ForwardBatcher(model=None, chunk_tokens=8)
+    batcher.s_per_token = 0.01
+    batch, rest = batcher._split([prompt_ticket(n, began, left) for n, began, left in tickets])
+    assert [len(t.item.tokens) for t in batch] == first_forward
+    assert sorted(len(t.item.tokens) for t in batch + rest) == sorted(n for n, _, _ in tickets)

@@ -649,3 +649,28 @@ def test_tree_size_summary(sizes, mean, plain):
     from bench.load import tree_size_summary
 
     assert tree_size_summary(sizes) == {"tree_nodes_mean": mean, "plain_step_share": plain}
+
+
+@pytest.mark.parametrize("packed, alone, expected", [
+    ([100.0, 150.0, 260.0], [100.0, 120.0, 130.0], [100.0, 150.0, 260.0]),  # one pass is cheaper
+    ([100.0, 250.0, 400.0], [100.0, 120.0, 130.0], [100.0, 220.0, 350.0]),  # one by one is cheaper
+])
+def test_burst_floor_takes_the_cheaper_way_to_run_the_k_shortest_prompts(packed, alone, expected):
+    from bench.ttft_floor import burst_floor
+
+    assert burst_floor(packed, alone) == expected
+
+
+def test_ttft_floor_prefill_pass_gives_every_block_back():
+    from bench.ttft_floor import time_prefill
+    from engine.kv_pool import BlockPool, PoolExhausted
+    from engine.packed import PagedModel
+    from tiny_models import tiny_model
+
+    model = PagedModel(tiny_model(), BlockPool.for_tokens(128, 16))
+    free = model.pool.num_free
+    assert time_prefill(model, [[1, 2, 3], list(range(4, 40))], repeats=2) > 0
+    assert model.pool.num_free == free
+    with pytest.raises(PoolExhausted):  # more prompt tokens than the pool holds: the item's error, raised
+        time_prefill(model, [list(range(1, 90))] * 2, repeats=1)
+    assert model.pool.num_free == free
