@@ -157,7 +157,8 @@ class BatchingConfig(Strict):
     admission_timeout_s: float = Field(default=30.0, ge=0.0, description="wait for KV blocks, then RESOURCE_EXHAUSTED")
     prefill_chunk_tokens: int | None = Field(
         default=256, ge=1, description="chunked prefill: the most prompt tokens per packed forward, all requests "
-                                       "together, the prompt that would finish first if prefilled alone first (target and SSMs), so running requests "
+                                       "together, the prompt that would finish first if prefilled alone first "
+                                       "(target and SSMs), so running requests "
                                        "keep stepping while prompts join; null: a prompt in one forward")
 
 

@@ -504,3 +504,25 @@ def test_prompt_chunks_go_in_the_order_they_would_finish_alone(tickets, first_fo
     batch, rest = batcher._split([prompt_ticket(n, began, left) for n, began, left in tickets])
     assert [len(t.item.tokens) for t in batch] == first_forward
     assert sorted(len(t.item.tokens) for t in batch + rest) == sorted(n for n, _, _ in tickets)
+
+
+def test_feed_marks_each_chunk_with_its_prompts_start_and_tokens_left_and_only_prompt_forwards_set_the_rate(models):
+    """10 prompt tokens in chunks of 4: chunks marked (began, 10), (began, 6), (began, 2), one
+    ``began``; a decode feed (not a prompt) is unmarked and leaves ``s_per_token`` as it was."""
+    from engine.paged_models import feed
+
+    pool, batcher = paged_parts(models[0], 64, 4, chunk_tokens=4)
+    marks, forward = [], batcher.model.forward
+
+    def recording(items):
+        marks.extend(item.prompt for item in items)
+        return forward(items)
+
+    batcher.model.forward = recording
+    state = PagedSequence(pool)
+    feed(batcher, state, list(range(10, 20)), prompt=True)
+    assert [m.remaining for m in marks] == [10, 6, 2] and len({m.began for m in marks}) == 1
+    rate = batcher.s_per_token
+    assert rate > 0
+    feed(batcher, state, [30, 31])
+    assert marks[-1] is None and batcher.s_per_token == rate
