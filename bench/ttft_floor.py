@@ -32,6 +32,7 @@ from bench.workloads import load_workload
 from cluster.build import set_threads
 from engine.kv_pool import BlockPool, PagedSequence
 from engine.packed import PagedModel, chain_item
+from engine.paged_models import forward_or_raise
 from settings.config import load_config
 
 
@@ -42,14 +43,11 @@ def time_prefill(model: PagedModel, prompts: list[list[int]], repeats: int) -> f
         sequences = [PagedSequence(model.pool) for _ in prompts]
         try:
             began = time.perf_counter()
-            results = model.forward([chain_item(s, ids) for s, ids in zip(sequences, prompts)])
+            forward_or_raise(model, [chain_item(s, ids) for s, ids in zip(sequences, prompts)])
             times.append((time.perf_counter() - began) * 1e3)
         finally:
             for sequence in sequences:
                 sequence.release()
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
     return statistics.median(times[1:])
 
 

@@ -142,6 +142,15 @@ def paged_parts(model, tokens: int, block_size: int = 16, window_s: float = 0.0,
     return pool, ForwardBatcher(PagedModel(model, pool), window_s, expected, window_fraction, chunk_tokens)
 
 
+def forward_or_raise(model: PackedModel, items: list[ForwardItem]) -> list[torch.Tensor]:  # -> per item [r, V]
+    """One packed forward; the first item's own error is raised (that item did not run)."""
+    results = model.forward(items)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
 def time_packed_forward(model: PackedModel, total_tokens: int, prefix: int = 256, repeats: int = 3) -> float:
     """Median ms of one packed forward of ``total_tokens`` chain tokens on a ``prefix`` cache
     (a forward that failed for its item raises: it did not run, so it cannot be timed)."""
@@ -155,9 +164,7 @@ def packed_timer(model: PackedModel, prefix: int = 256, repeats: int = 3):
     ``prefix``-token sequence, prefilled once (a curve of many sizes pays one prefill)."""
 
     def forward(item) -> None:
-        (result,) = model.forward([item])
-        if isinstance(result, BaseException):
-            raise result
+        forward_or_raise(model, [item])
 
     sequence = PagedSequence(model.pool)
 
