@@ -67,7 +67,7 @@ class SSMActor(HoldsRequests):
         self._dropper = make_dropper(self._forget)
         self.store: RequestStore[DraftState] = RequestStore(config.server.request_ttl_s, on_drop=self._on_drop)
         if self.paged:  # a 25% larger pool: its releases may arrive after the verifier admitted more
-            pool, batcher = batching_parts(config, loaded.model, lambda: len(self.store), scale=1.25)
+            pool, batcher = batching_parts(config, loaded.model, lambda: len(self.store), scale=1.25, burst=False)
             self.drafter = PagedDrafter(loaded.model, index, model_config.name, pool, batcher)
         else:
             self.drafter = ModelDrafter(loaded.model, index, model_config.name)

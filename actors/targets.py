@@ -18,7 +18,7 @@ from typing import Callable
 import ray
 
 from settings.config import EngineConfig
-from engine.batcher import ForwardBatcher
+from engine.batcher import BatchWaits, ForwardBatcher
 from engine.kv_pool import BlockPool, heads_per_shard
 from engine.models import LoadedModel, load_header
 from engine.packed import PackedModel
@@ -29,19 +29,25 @@ from .loading import load_configured, model_spec
 from .tensor_parallel import TensorParallelPagedModel, TensorParallelTarget
 
 
+def batch_waits(config: EngineConfig, burst: bool = True) -> BatchWaits:
+    """The configured waits of a packed forward for other requests' calls and, with ``burst`` (the
+    verifier: a prompt's prefill there gives its first token), for a burst of prompts."""
+    b = config.server.batching
+    return BatchWaits(b.window_ms / 1e3, b.window_fraction, b.burst_ms / 1e3 if burst else 0.0, b.burst_max_ms / 1e3)
+
+
 def batcher_for(config: EngineConfig, model: PackedModel, expected: Callable[[], int]) -> ForwardBatcher:
-    """A batcher over ``model`` with the configured wait for other requests' forwards."""
-    batching = config.server.batching
-    return ForwardBatcher(model, batching.window_ms / 1e3, expected, batching.window_fraction,
-                          batching.prefill_chunk_tokens)
+    """A batcher over ``model`` with the configured waits and prefill chunk."""
+    return ForwardBatcher(model, batch_waits(config), expected, config.server.batching.prefill_chunk_tokens)
 
 
 def batching_parts(config: EngineConfig, model, expected: Callable[[], int],
-                   scale: float = 1.0) -> tuple[BlockPool, ForwardBatcher]:
-    """The pool (``kv_cache_tokens`` x ``scale`` token slots) and batcher for one model in this process."""
+                   scale: float = 1.0, burst: bool = True) -> tuple[BlockPool, ForwardBatcher]:
+    """The pool (``kv_cache_tokens`` x ``scale`` token slots) and batcher for one model in this process
+    (``burst``: see ``batch_waits``; an SSM's prompt prefill is not on the first token's path)."""
     b = config.server.batching
-    return paged_parts(model, int(b.kv_cache_tokens * scale), b.block_size, b.window_ms / 1e3, expected,
-                       b.window_fraction, b.prefill_chunk_tokens)
+    return paged_parts(model, int(b.kv_cache_tokens * scale), b.block_size, batch_waits(config, burst), expected,
+                       b.prefill_chunk_tokens)
 
 
 def check_shardable(model_config, tensor_parallel_size: int) -> None:

@@ -39,20 +39,38 @@ class BatchCounters:
     largest: int = 0
 
 
-class ForwardBatcher:
-    """``expected()``: how many requests may submit soon (e.g. the running ones); while fewer are
-    queued, a batch waits for them up to ``window_s`` or ``window_fraction`` of the last forward's
-    time, whichever is longer (calls of one step arrive milliseconds apart: each request's result
-    is streamed to its client before its next call). ``chunk_tokens``: the most prompt tokens one
-    forward takes, all requests together, in ``prompt_order`` (chunked prefill:
-    ``engine.paged_models.feed`` submits prompts in chunks of at most this); None: no limit."""
+@dataclass(frozen=True)
+class BatchWaits:
+    """How long a packed forward waits for more items before it runs.
 
-    def __init__(self, model: PackedModel, window_s: float = 0.0, expected: Callable[[], int] | None = None,
-                 window_fraction: float = 0.0, chunk_tokens: int | None = None):
+    ``window_s`` / ``window_fraction``: while fewer items are queued than ``expected()`` (the running
+    requests), up to ``window_s`` or this fraction of the last forward's time, whichever is longer
+    (calls of one step arrive milliseconds apart: each request's result is streamed to its client
+    before its next call). ``burst_s`` / ``burst_max_s``: while the queue holds only prompt chunks,
+    until no other prompt has begun for ``burst_s``, and at most ``burst_max_s`` after the earliest
+    began: the rest of a burst arrives (requests sent together reach the actor tens of ms apart,
+    spread over up to ~150 ms here), then it goes shortest first (``prompt_order``) instead of
+    the first arrival alone. A lone request's first token pays ``burst_s``; running requests never
+    wait for it (a queued item that is not a prompt chunk ends it)."""
+
+    window_s: float = 0.0
+    window_fraction: float = 0.0
+    burst_s: float = 0.0
+    burst_max_s: float = 0.0
+
+
+class ForwardBatcher:
+    """``expected()``: how many requests may submit soon (e.g. the running ones); ``waits``: how long
+    a forward waits for them and for a burst of prompts (``BatchWaits``). ``chunk_tokens``: the
+    most prompt tokens one forward takes, all requests together, in ``prompt_order`` (chunked
+    prefill: ``engine.paged_models.feed`` submits prompts in chunks of at most this); None: no
+    limit. ``clock``: monotonic seconds (tests pass their own)."""
+
+    def __init__(self, model: PackedModel, waits: BatchWaits = BatchWaits(), expected: Callable[[], int] | None = None,
+                 chunk_tokens: int | None = None, clock: Callable[[], float] = time.monotonic):
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
-        self.model, self.chunk_tokens = model, chunk_tokens
-        self.window_s, self.window_fraction, self.expected = window_s, window_fraction, expected
+        self.model, self.chunk_tokens, self.waits, self.expected, self.clock = model, chunk_tokens, waits, expected, clock
         self._opened, self._last_forward_s = 0.0, 0.0
         self.s_per_token = 0.0  # seconds per token of the forwards with prompt chunks (moving average; 0 before any)
         self.counters = BatchCounters()
@@ -97,7 +115,7 @@ class ForwardBatcher:
             ticket = _Ticket(item)
             with self._cond:
                 if not self._queue:
-                    self._opened = time.monotonic()
+                    self._opened = self.clock()
                 self._queue.append(ticket)
                 self._cond.notify_all()
             while True:
@@ -105,7 +123,7 @@ class ForwardBatcher:
                 with self._cond:
                     if ticket.done:
                         break
-                    self._cond.wait(timeout=max(0.001, min(0.05, self._window())))
+                    self._cond.wait(timeout=self._recheck_s())
                     if ticket.done:
                         break
         if ticket.error is not None:
@@ -119,7 +137,7 @@ class ForwardBatcher:
                     or self._waiting_for_more()):
                 return
             (batch, self._queue), self._running, self._hold = self._split(self._queue), True, 0
-            self._opened = time.monotonic()  # what is left waits from now
+            self._opened = self.clock()  # what is left waits from now
         began = time.monotonic()
         try:
             results = self.model.forward([ticket.item for ticket in batch])
@@ -178,12 +196,31 @@ class ForwardBatcher:
             self.s_per_token = rate if not self.s_per_token else 0.8 * self.s_per_token + 0.2 * rate
 
     def _waiting_for_more(self) -> bool:
+        if self._burst_left() > 0:
+            return True
         if self.expected is None or self._window() <= 0:
             return False
-        return len(self._queue) < self.expected() and time.monotonic() - self._opened < self._window()
+        return len(self._queue) < self.expected() and self.clock() - self._opened < self._window()
+
+    def _burst_left(self) -> float:
+        """Seconds the queued prompts still wait for the rest of their burst (``BatchWaits``): until
+        ``burst_s`` after the latest queued prompt began, at most ``burst_max_s`` after the earliest;
+        0 while an item that is not a prompt chunk is queued. Example: burst 0.03, max 0.15, prompts
+        begun at 10.00 and 10.02, now 10.03 -> 0.02 (quiet since 10.02: until 10.05)."""
+        waits = self.waits
+        if waits.burst_s <= 0 or not self._queue or any(t.item.prompt is None for t in self._queue):
+            return 0.0
+        began = [t.item.prompt.began for t in self._queue]
+        until = min(max(began) + waits.burst_s, min(began) + max(waits.burst_s, waits.burst_max_s))
+        return max(0.0, until - self.clock())
+
+    def _recheck_s(self) -> float:
+        """How long a waiting thread sleeps before it looks again (a wait may have run out)."""
+        waits = [w for w in (self._window(), self._burst_left()) if w > 0]
+        return max(0.001, min([0.05, *waits]))
 
     def _window(self) -> float:
-        return max(self.window_s, self.window_fraction * self._last_forward_s)
+        return max(self.waits.window_s, self.waits.window_fraction * self._last_forward_s)
 
     def _count(self, batch: list[_Ticket]) -> None:
         tokens = sum(len(ticket.item.tokens) for ticket in batch)

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .batcher import ForwardBatcher
+from .batcher import BatchWaits, ForwardBatcher
 from .draft import DraftSpec, ModelDrafter, Proposal, TreeBuilder
 from .kv_pool import BlockPool, PagedSequence, SavedEntries
 from .packed import ForwardItem, PackedModel, PagedModel, PromptChunk, chain_item
@@ -126,7 +126,7 @@ def feed(batcher: ForwardBatcher, state: PagedSequence, tokens: list[int],
     """
     if not tokens:
         raise ValueError("feed needs at least one token (the root)")
-    size, since = batcher.chunk_tokens or len(tokens), time.monotonic() if batcher.chunk_tokens and prompt else None
+    size, since = batcher.chunk_tokens or len(tokens), batcher.clock() if batcher.chunk_tokens and prompt else None
     for start in range(0, len(tokens), size):
         chunk = tokens[start:start + size]
         marked = None if since is None else PromptChunk(since, len(tokens) - start)
@@ -135,11 +135,11 @@ def feed(batcher: ForwardBatcher, state: PagedSequence, tokens: list[int],
     return logits[0].cpu()
 
 
-def paged_parts(model, tokens: int, block_size: int = 16, window_s: float = 0.0, expected=None,
-                window_fraction: float = 0.0, chunk_tokens: int | None = None) -> tuple[BlockPool, ForwardBatcher]:
+def paged_parts(model, tokens: int, block_size: int = 16, waits: BatchWaits = BatchWaits(), expected=None,
+                chunk_tokens: int | None = None) -> tuple[BlockPool, ForwardBatcher]:
     """A pool of ``tokens`` slots for ``model`` and a batcher over it (in this process)."""
     pool = BlockPool.for_tokens(tokens, block_size)
-    return pool, ForwardBatcher(PagedModel(model, pool), window_s, expected, window_fraction, chunk_tokens)
+    return pool, ForwardBatcher(PagedModel(model, pool), waits, expected, chunk_tokens)
 
 
 def forward_or_raise(model: PackedModel, items: list[ForwardItem]) -> list[torch.Tensor]:  # -> per item [r, V]

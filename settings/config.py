@@ -154,6 +154,13 @@ class BatchingConfig(Strict):
     window_ms: float = Field(default=3.0, ge=0.0, description="wait this long for other requests' calls")
     window_fraction: float = Field(default=0.5, ge=0.0, le=1.0,
                                    description="or this fraction of the last forward's time, if longer")
+    burst_ms: float = Field(
+        default=30.0, ge=0.0, le=1000.0,
+        description="a forward of new prompts alone waits until no other prompt began for this long (the rest "
+                    "of a burst), which then goes shortest first; a lone request's first token pays it, "
+                    "running requests never do; 0: off")
+    burst_max_ms: float = Field(default=150.0, ge=0.0, le=5000.0,
+                                description="the burst wait ends this long after its first prompt began")
     admission_timeout_s: float = Field(default=30.0, ge=0.0, description="wait for KV blocks, then RESOURCE_EXHAUSTED")
     prefill_chunk_tokens: int | None = Field(
         default=256, ge=1, description="chunked prefill: the most prompt tokens per packed forward, all requests "

@@ -526,3 +526,76 @@ def test_feed_marks_each_chunk_with_its_prompts_start_and_tokens_left_and_only_p
     assert rate > 0
     feed(batcher, state, [30, 31])
     assert marks[-1] is None and batcher.s_per_token == rate
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand (the batcher's waits then never run out by themselves)."""
+
+    def __init__(self, now: float = 100.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("queued, now, burst, longest, left", [
+    ([(6, 10.00), (2, 10.02)], 10.03, 0.03, 0.15, 0.02),  # the docstring's example: quiet since 10.02
+    ([(6, 10.00), (2, 10.02)], 10.06, 0.03, 0.15, 0.0),   # quiet for 0.04: the burst is in
+    ([(6, 10.00), (2, 10.02), (3, 10.04), (4, 10.13)], 10.15, 0.03, 0.15, 0.0),  # arrivals keep coming: capped
+    ([(6, 10.00), (2, 10.02)], 10.03, 0.03, 0.0, 0.0),    # a cap below the quiet gap: the gap is the cap
+    ([(6, 10.00), (1, None)], 10.01, 0.03, 0.15, 0.0),    # a running request's item is queued: nobody waits
+    ([(6, 10.00)], 10.01, 0.0, 0.15, 0.0),                # burst waits off
+    ([], 10.01, 0.03, 0.15, 0.0),                         # nothing queued
+])
+def test_new_prompts_wait_for_the_rest_of_their_burst_only(queued, now, burst, longest, left):
+    from engine.batcher import BatchWaits, ForwardBatcher
+
+    batcher = ForwardBatcher(model=None, waits=BatchWaits(burst_s=burst, burst_max_s=longest), clock=FakeClock(now))
+    batcher._queue = [prompt_ticket(n, began) for n, began in queued]
+    assert batcher._burst_left() == pytest.approx(left)
+
+
+def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_burst_is_gathered_then_prefilled_shortest_first_and_a_running_request_ends_the_wait(models):
+    """With the clock stopped, a new prompt alone never runs (it waits for its burst); a second,
+    shorter prompt joins it; once the burst's time is up the shorter goes first (chunk budget 6:
+    forwards of 2 then 6 prompt tokens). Then a new prompt waits again until a running request's
+    decode feed is queued, and both go in one forward without the clock moving."""
+    from engine.batcher import BatchWaits, ForwardBatcher
+    from engine.paged_models import feed
+
+    clock, pool = FakeClock(), BlockPool.for_tokens(256, 4)
+    batcher = ForwardBatcher(PagedModel(models[0], pool), BatchWaits(burst_s=0.05, burst_max_s=0.05), chunk_tokens=6,
+                             clock=clock)
+    batcher.s_per_token = 0.01  # as if timed: order by finish alone, not by arrival
+    per_forward, forward = [], batcher.model.forward
+
+    def recording(items):
+        per_forward.append([len(item.tokens) for item in items])
+        return forward(items)
+
+    batcher.model.forward = recording
+    states = [PagedSequence(pool) for _ in range(3)]
+    threads = [threading.Thread(target=feed, args=(batcher, states[i], list(range(10 * i + 10, 10 * i + n))),
+                                kwargs={"prompt": True}) for i, n in enumerate((16, 12, 13))]  # 6, 2, 3 tokens
+    threads[0].start()
+    wait_until(lambda: len(batcher._queue) == 1, "the first prompt queued")
+    time.sleep(0.2)  # the clock is stopped: no amount of waiting lets it run alone
+    assert per_forward == []
+    threads[1].start()
+    wait_until(lambda: len(batcher._queue) == 2, "the second prompt queued")
+    clock.now += 0.05
+    for thread in threads[:2]:
+        thread.join(30)
+    assert per_forward == [[2], [6]]
+    threads[2].start()
+    wait_until(lambda: len(batcher._queue) == 1, "a third prompt queued")
+    feed(batcher, states[0], [40])  # a running request's next token: the new prompt waits no longer
+    threads[2].join(30)
+    assert sorted(per_forward[2]) == [1, 3] and len(per_forward) == 3 and clock.now == 100.05
