@@ -599,3 +599,34 @@ def test_a_burst_is_gathered_then_prefilled_shortest_first_and_a_running_request
     feed(batcher, states[0], [40])  # a running request's next token: the new prompt waits no longer
     threads[2].join(30)
     assert sorted(per_forward[2]) == [1, 3] and len(per_forward) == 3 and clock.now == 100.05
+
+
+def test_a_thread_whose_result_is_ready_returns_instead_of_leading_the_next_forward(models):
+    """Three prompts (2, 5 and 6 tokens) queued together, a chunk budget of 6: three forwards, each
+    leaving prompts for the next. Every forward runs on a thread still waiting for its own item
+    (in that forward or still queued), never on one whose result is ready: that request would
+    get its result a whole forward late (a burst's first token was, 1.5 s at 8 streams)."""
+    from engine.paged_models import feed
+
+    pool, batcher = paged_parts(models[0], 256, 4, chunk_tokens=6)
+    owner, leaders, forward = {}, [], batcher.model.forward
+
+    def recording(items):
+        pending = [item.sequence for item in items] + [ticket.item.sequence for ticket in batcher._queue]
+        leaders.append(any(sequence is owner[threading.current_thread()] for sequence in pending))
+        return forward(items)
+
+    def run(n):
+        state = owner[threading.current_thread()] = PagedSequence(pool)
+        feed(batcher, state, list(range(10, 10 + n)), prompt=True)
+        state.release()
+
+    batcher.model.forward = recording
+    for _ in range(10):
+        batcher.hold_next(3)  # all three queued before the first forward
+        threads = [threading.Thread(target=run, args=(n,)) for n in (2, 5, 6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert len(leaders) == 30 and all(leaders), leaders
