@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 import torch
 
 from .packed import ForwardItem, PackedModel
+from .timing import moving_average
 
 
 @dataclass
@@ -195,7 +196,7 @@ class ForwardBatcher:
         tokens = sum(len(ticket.item.tokens) for ticket in batch)
         if any(ticket.item.prompt is not None for ticket in batch):
             rate = self._last_forward_s / tokens
-            self.s_per_token = rate if not self.s_per_token else 0.8 * self.s_per_token + 0.2 * rate
+            self.s_per_token = moving_average(self.s_per_token or None, rate)
 
     def _waiting_for_more(self) -> bool:
         if self._burst_left() > 0:

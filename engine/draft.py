@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from . import kv
 from .sampling import SamplingParams, warp
 from .shape import ShapeHistory, TreeCost, best_size, frontier_to_expand
+from .timing import moving_average
 from .tree import TokenTree, ancestor_mask, attention_bias
 
 CHILDREN_RULES = ("top_k", "sampled", "sampled_without_replacement")
@@ -363,8 +364,7 @@ class ModelDrafter:
     def _time_forward(self, began: float, tokens: int) -> None:
         """Fold one SSM forward's ms over ``tokens`` tokens into ``forward_ms`` (a moving average)."""
         ms = (time.perf_counter() - began) * 1e3
-        last = self.forward_ms.get(tokens)
-        self.forward_ms[tokens] = ms if last is None else 0.8 * last + 0.2 * ms
+        self.forward_ms[tokens] = moving_average(self.forward_ms.get(tokens), ms)
 
     def _expand(self, builder: TreeBuilder, path: list[float], logits: torch.Tensor,  # logits [F, V]
                 frontier: list[int], branch: int) -> float:

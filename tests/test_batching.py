@@ -630,3 +630,10 @@ def test_a_thread_whose_result_is_ready_returns_instead_of_leading_the_next_forw
         for thread in threads:
             thread.join(60)
     assert len(leaders) == 30 and all(leaders), leaders
+
+
+@pytest.mark.parametrize("last, value, expected", [(None, 30.0, 30.0), (30.0, 40.0, 32.0), (32.0, 32.0, 32.0)])
+def test_moving_average_starts_at_the_first_measurement_then_keeps_four_fifths(last, value, expected):
+    from engine.timing import moving_average
+
+    assert moving_average(last, value) == pytest.approx(expected)
