@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,18 +29,11 @@ from engine.budget import budget_from_curve  # noqa: E402
 from engine.kv_pool import BlockPool, PagedSequence  # noqa: E402
 from engine.packed import ForwardItem, PagedModel, chain_item  # noqa: E402
 from engine.target import TargetModel  # noqa: E402
+from engine.timing import median_ms  # noqa: E402
 from engine.tree import TokenTree, ancestor_mask, positions  # noqa: E402
 
 TREE = TokenTree(torch.tensor([11, 12, 13, 14]), torch.tensor([-1, 0, 0, 1]))
 
-
-def median_ms(run, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):
-        began = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(times[1:])
 
 
 def padded_step(target: TargetModel, prefixes: list[int], repeats: int) -> tuple[float, int]:

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,22 +31,22 @@ from cluster.build import set_threads
 from engine.kv_pool import BlockPool, PagedSequence
 from engine.packed import PagedModel, chain_item
 from engine.paged_models import forward_or_raise
+from engine.timing import median_ms
 from settings.config import load_config
 
 
 def time_prefill(model: PagedModel, prompts: list[list[int]], repeats: int) -> float:
     """Median ms of one packed forward prefilling every prompt (each its own sequence)."""
-    times = []
-    for _ in range(repeats + 1):
+
+    def prefill() -> None:
         sequences = [PagedSequence(model.pool) for _ in prompts]
         try:
-            began = time.perf_counter()
             forward_or_raise(model, [chain_item(s, ids) for s, ids in zip(sequences, prompts)])
-            times.append((time.perf_counter() - began) * 1e3)
         finally:
             for sequence in sequences:
                 sequence.release()
-    return statistics.median(times[1:])
+
+    return median_ms(prefill, repeats)
 
 
 def burst_floor(packed_ms: list[float], alone_ms: list[float]) -> list[float]:

@@ -122,7 +122,7 @@ class ForwardBatcher:
                 self._queue.append(ticket)
                 self._cond.notify_all()
             while True:
-                self._maybe_lead()
+                self._maybe_lead(ticket)
                 with self._cond:
                     if ticket.done:
                         break
@@ -133,10 +133,11 @@ class ForwardBatcher:
             raise ticket.error
         return ticket.result
 
-    def _maybe_lead(self) -> None:
-        """Run the queued batch on this thread if every participant is waiting."""
+    def _maybe_lead(self, own: _Ticket) -> None:
+        """Run the queued batch on this thread if every participant is waiting and this thread's own
+        ticket ``own`` is still waiting (a thread whose result is ready returns; it never leads)."""
         with self._cond:
-            if (self._running or not self._queue or len(self._queue) < max(self._active, self._hold)
+            if (own.done or self._running or not self._queue or len(self._queue) < max(self._active, self._hold)
                     or self._waiting_for_more()):
                 return
             (batch, self._queue), self._running, self._hold = self._split(self._queue), True, 0
@@ -193,9 +194,8 @@ class ForwardBatcher:
     def _time_tokens(self, batch: list[_Ticket]) -> None:
         """Fold the last forward's seconds per token into ``s_per_token`` if it prefilled a prompt
         chunk (a decode step's few tokens would count its whole cost against each)."""
-        tokens = sum(len(ticket.item.tokens) for ticket in batch)
         if any(ticket.item.prompt is not None for ticket in batch):
-            rate = self._last_forward_s / tokens
+            rate = self._last_forward_s / sum(len(ticket.item.tokens) for ticket in batch)
             self.s_per_token = moving_average(self.s_per_token or None, rate)
 
     def _waiting_for_more(self) -> bool:

@@ -35,8 +35,8 @@ ATTENTION = "specinfer_paged"
 
 @dataclass(frozen=True)
 class PromptChunk:
-    """A forward item that is a chunk of a prompt: when its prompt began feeding
-    (``time.monotonic()``) and the prompt tokens still to feed, this chunk's included."""
+    """A forward item that is a chunk of a prompt: when its prompt began feeding (the batcher's
+    ``clock``) and the prompt tokens still to feed, this chunk's included."""
 
     began: float
     remaining: int

@@ -9,8 +9,6 @@ it on a ``PackedModel``: ``engine.packed.PagedModel`` in this process, or
 
 from __future__ import annotations
 
-import statistics
-import time
 from contextlib import contextmanager
 
 import torch
@@ -19,6 +17,7 @@ from .batcher import BatchWaits, ForwardBatcher
 from .draft import DraftSpec, ModelDrafter, Proposal, TreeBuilder
 from .kv_pool import BlockPool, PagedSequence, SavedEntries
 from .packed import ForwardItem, PackedModel, PagedModel, PromptChunk, chain_item
+from .timing import median_ms
 from .tree import TokenTree, ancestor_mask, positions
 
 
@@ -162,23 +161,17 @@ def time_packed_forward(model: PackedModel, total_tokens: int, prefix: int = 256
 def packed_timer(model: PackedModel, prefix: int = 256, repeats: int = 3):
     """``time_pass(total_tokens)`` -> median ms of ``repeats`` packed forwards of a chain on one
     ``prefix``-token sequence, prefilled once (a curve of many sizes pays one prefill)."""
-
-    def forward(item) -> None:
-        forward_or_raise(model, [item])
-
     sequence = PagedSequence(model.pool)
 
     def time_pass(total_tokens: int) -> float:
-        times = []
-        for _ in range(repeats + 1):
-            began = time.perf_counter()
-            forward(chain_item(sequence, list(range(total_tokens)), last_only=False))
-            times.append((time.perf_counter() - began) * 1e3)
-            sequence.truncate(prefix)
-        return statistics.median(times[1:])
+        def run() -> None:
+            forward_or_raise(model, [chain_item(sequence, list(range(total_tokens)), last_only=False)])
+            sequence.truncate(prefix)  # block bookkeeping only: well under a ms of a forward's time
+
+        return median_ms(run, repeats)
 
     try:
-        forward(chain_item(sequence, list(range(prefix))))
+        forward_or_raise(model, [chain_item(sequence, list(range(prefix)))])
         sequence.keep(list(range(prefix)))
         yield time_pass
     finally:
