@@ -13,7 +13,7 @@ import ctypes
 import gc
 import logging
 
-from engine.models import LoadedModel, ModelSpec, load_model, quantize_int8, truncate_layers
+from engine.models import LoadedModel, ModelSpec, load_model, onednn_linears, quantize_int8, truncate_layers
 from engine.offload import OffloadSpec, load_offloaded
 from settings.config import EngineConfig, ModelConfig
 
@@ -32,7 +32,8 @@ def model_spec(config: EngineConfig, model: ModelConfig) -> ModelSpec:
 
 
 def load_configured(config: EngineConfig, model: ModelConfig) -> LoadedModel:
-    """Load one model and apply its layer truncation / quantization, or stream it (``offload``)."""
+    """Load one model and apply its layer truncation / quantization / CPU linear kernels, or stream
+    it (``offload``)."""
     if model.offload is not None:
         return load_offloaded(model_spec(config, model), OffloadSpec(**model.offload.model_dump()))
     loaded = load_model(model_spec(config, model))
@@ -40,6 +41,8 @@ def load_configured(config: EngineConfig, model: ModelConfig) -> LoadedModel:
         truncate_layers(loaded.model, model.num_layers)
     if model.quantize == "int8":
         loaded = LoadedModel(loaded.spec, quantize_int8(loaded.model), loaded.tokenizer)
+    if config.cpu_linears == "onednn":  # after quantizing: int8 linears are not nn.Linear and keep fbgemm
+        onednn_linears(loaded.model)
     return_freed_memory()
     return loaded
 

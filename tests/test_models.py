@@ -8,7 +8,10 @@ import pytest
 from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from cluster.cli import main
-from engine.models import LoadedModel, ModelSpec, check_architecture, check_same_vocabulary
+import torch
+
+from engine.models import (LoadedModel, ModelSpec, OneDNNLinear, check_architecture, check_same_vocabulary,
+                           onednn_linears, quantize_int8)
 from tests.tiny_models import tiny_model
 
 
@@ -150,3 +153,40 @@ def test_activation_dtype_and_kv_pool_follow_the_compute(dtype, quantized, expec
         model = quantize_int8(model)
     assert activation_dtype(model) == getattr(torch, expected)
     assert KVStorage.for_model(model, slots=4).keys[0].dtype == getattr(torch, expected)
+
+
+@pytest.mark.parametrize("shape,bias", [((1, 32), True), ((3, 32), False), ((1, 1, 32), True), ((1, 8, 32), True),
+                                        ((2, 5, 32), False)])
+def test_onednn_linear_computes_the_same_product(shape, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 48, bias=bias)
+    x = torch.randn(*shape)
+    expected = linear(x)
+    linear.__class__ = OneDNNLinear
+    assert isinstance(linear, torch.nn.Linear)
+    got = linear(x)
+    assert got.shape == expected.shape == (*shape[:-1], 48)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,quantized,min_weights,switched", [
+    (torch.float32, False, 0, 15),  # 2 layers x 7 projections + lm_head
+    (torch.float32, False, 64 * 64, 11),  # k_proj and v_proj (64 -> 32) stay with torch
+    (torch.float32, False, None, 0),  # the default bound: a tiny model keeps torch's path everywhere
+    (torch.bfloat16, False, 0, 0),  # torch already hands bf16 to oneDNN where the CPU has native bf16
+    (torch.float32, True, 0, 0),  # int8 dynamic linears are not nn.Linear: they keep fbgemm
+])
+def test_onednn_linears_switches_large_float32_linears_only(dtype, quantized, min_weights, switched):
+    model = tiny_model("qwen2", 64, layers=2).to(dtype)
+    if quantized:
+        model = quantize_int8(model)
+    keys = list(model.state_dict())
+    ids = torch.tensor([[3, 17, 5, 9]])
+    with torch.inference_mode():
+        before = model(ids).logits
+        assert onednn_linears(model, *([] if min_weights is None else [min_weights])) == switched
+        after = model(ids).logits
+    assert sum(type(m) is OneDNNLinear for m in model.modules()) == switched
+    assert list(model.state_dict()) == keys
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
