@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
+from typing import get_args
 
 import torch
 
 from actors.loading import load_configured
 from cluster.build import set_threads
-from settings.config import load_config
+from settings.config import CpuLinears, load_config
 from engine import kv
 from engine.target import TargetModel
+from engine.timing import median_ms
 from engine.tree import TokenTree
 
 
@@ -34,20 +34,19 @@ def time_forward(model, prefix: int, size: int, repeats: int) -> float:
     target = TargetModel(model)
     state = target.new_state()
     target.prefill(state, torch.randint(100, 1000, (prefix,)).tolist())
-    times = []
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
+
+    def run() -> None:
         target.forward_tree(state, chain_tree(size))
-        times.append((time.perf_counter() - started) * 1e3)
-        kv.crop(state.cache, prefix)
-    return statistics.median(times[1:])
+        kv.crop(state.cache, prefix)  # a view of the cache: nothing copied
+
+    return median_ms(run, repeats)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--cpu-linears", choices=["onednn", "torch"], default=None,
+    parser.add_argument("--cpu-linears", choices=get_args(CpuLinears), default=None,
                         help="float32 linear layers on CPU (the config's cpu_linears)")
     parser.add_argument("--prefix", type=int, default=256)
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64")

@@ -10,8 +10,8 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 from cluster.cli import main
 import torch
 
-from engine.models import (LoadedModel, ModelSpec, OneDNNLinear, check_architecture, check_same_vocabulary,
-                           onednn_linears, quantize_int8)
+from engine.models import (ONEDNN_MIN_WEIGHTS, LoadedModel, ModelSpec, OneDNNLinear, check_architecture,
+                           check_same_vocabulary, onednn_linears, quantize_int8)
 from tests.tiny_models import tiny_model
 
 
@@ -172,7 +172,7 @@ def test_onednn_linear_computes_the_same_product(shape, bias):
 @pytest.mark.parametrize("dtype,quantized,min_weights,switched", [
     (torch.float32, False, 0, 15),  # 2 layers x 7 projections + lm_head
     (torch.float32, False, 64 * 64, 11),  # k_proj and v_proj (64 -> 32) stay with torch
-    (torch.float32, False, None, 0),  # the default bound: a tiny model keeps torch's path everywhere
+    (torch.float32, False, ONEDNN_MIN_WEIGHTS, 0),  # the default bound: a tiny model keeps torch's path everywhere
     (torch.bfloat16, False, 0, 0),  # torch already hands bf16 to oneDNN where the CPU has native bf16
     (torch.float32, True, 0, 0),  # int8 dynamic linears are not nn.Linear: they keep fbgemm
 ])
@@ -184,7 +184,7 @@ def test_onednn_linears_switches_large_float32_linears_only(dtype, quantized, mi
     ids = torch.tensor([[3, 17, 5, 9]])
     with torch.inference_mode():
         before = model(ids).logits
-        assert onednn_linears(model, *([] if min_weights is None else [min_weights])) == switched
+        assert onednn_linears(model, min_weights) == switched
         after = model(ids).logits
     assert sum(type(m) is OneDNNLinear for m in model.modules()) == switched
     assert list(model.state_dict()) == keys
