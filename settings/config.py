@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-CpuLinears = Literal["onednn", "torch"]  # float32 CPU linear kernels (engine.models.onednn_linears)
+CpuLinears = Literal["onednn", "onednn_packed", "torch"]  # float32 CPU linear kernels (engine.models.onednn_linears)
 APP_NAME = "specinfer"
 DEFAULT_AUTH_TOKEN_ENV = "SPECINFER_AUTH_TOKEN"  # server.auth_token_env's default; the client and k8s use it too
 
@@ -223,9 +223,11 @@ class EngineConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     torch_threads: int | None = Field(default=None, ge=1)
     cpu_linears: CpuLinears = Field(
-        default="onednn", description="float32 linear layers on CPU: oneDNN's kernels (engine.models.onednn_linears; "
-                                      "a forward over 8 tokens 1.7-1.8x faster on an AVX2 AMD EPYC) or torch's "
-                                      "default (MKL)")
+        default="onednn", description="float32 linear layers on CPU (engine.models.onednn_linears): oneDNN's "
+                                      "kernels (onednn; a forward over 8 tokens 1.7-1.8x faster than MKL on an "
+                                      "AVX2 AMD EPYC), the same with weights packed once for passes of a few "
+                                      "tokens (onednn_packed; HumanEval fp32: tree 1.08x and HF assisted 1.09x "
+                                      "faster, plain decoding 1.16x slower), or torch's default (torch: MKL)")
     target: ModelConfig
     ssms: list[ModelConfig] = Field(default_factory=list)
     suffix: SuffixConfig | None = SuffixConfig()

@@ -145,14 +145,14 @@ def test_sampled_requests_with_different_settings_in_one_batch_are_reproducible(
 TREES = [([5, 6, 7, 8], [-1, 0, 1, 2]), ([5, 6, 7, 8, 9, 10, 11], [-1, 0, 0, 1, 1, 2, 5]), ([42], [-1])]
 
 
-@pytest.mark.parametrize("linears", ["torch", "onednn"])
+@pytest.mark.parametrize("linears", ["torch", "onednn", "onednn_packed"])
 def test_packed_forward_logits_equal_the_dynamic_cache_path(models, linears):
     """Three requests packed into one forward: each one's tree logits equal TargetModel's alone,
     before and after a commit of a non-first branch (with torch's and with oneDNN's linears)."""
     target = models[0]
-    if linears == "onednn":  # a fresh copy: the fixture's models stay on torch's path
+    if linears != "torch":  # a fresh copy: the fixture's models stay on torch's path
         target = tiny_model("llama", VOCAB, layers=2, seed=0)
-        assert onednn_linears(target, min_weights=0) == 15
+        assert onednn_linears(target, 0, packed=linears == "onednn_packed") == 15
     pool = BlockPool.for_tokens(1024, block_size=4)
     paged, plain = PagedModel(target, pool), TargetModel(target)
     prompts = [list(range(10, 10 + n)) for n in (5, 13, 2)]

@@ -230,11 +230,15 @@ def test_missing_dataset_package_names_the_pip_command(monkeypatch):
         list(workloads.load_prompts("humaneval"))
 
 
-@pytest.mark.parametrize("cpu_linears,recorded", [("onednn", None), ("torch", "torch")])
-def test_run_identity_names_cpu_linears_only_off_the_default(cpu_linears, recorded):
-    """Directories made before the setting existed (the default's identity) still resume; a run on
-    torch's linears does not mix with them."""
-    config = EngineConfig.model_validate({"target": {"name": "t", "source": "t"}, "cpu_linears": cpu_linears})
+@pytest.mark.parametrize("cpu_linears,dtype,recorded", [
+    ("onednn", "float32", None), ("torch", "float32", "torch"), ("onednn_packed", "float32", "onednn_packed"),
+    ("onednn_packed", "bfloat16", None), ("torch", "bfloat16", None)])
+def test_run_identity_names_cpu_linears_only_where_it_changes_the_run(cpu_linears, dtype, recorded):
+    """Directories made before the setting existed (plain oneDNN's identity in float32, any in bf16,
+    where the setting changes nothing) still resume; a float32 run on other kernels does not mix
+    with them."""
+    config = EngineConfig.model_validate({"target": {"name": "t", "source": "t"}, "cpu_linears": cpu_linears,
+                                          "dtype": dtype})
     identity = run_identity(BenchSettings(config="c.yaml", dataset="humaneval", out=Path("out")), config)
     assert identity["engine"].get("cpu_linears") == recorded
     assert set(identity["engine"]) - {"cpu_linears"} == {"dtype", "target", "ssms", "suffix", "speculation"}

@@ -83,14 +83,18 @@ def test_smollm2_with_truncated_copy_rejects_most(smol_truncated, mode, expansio
 
 
 @pytest.mark.slow
-def test_default_qwen_pair_fp32(qwen_models_dir):
+@pytest.mark.parametrize("cpu_linears", ["onednn", "onednn_packed"])
+def test_default_qwen_pair_fp32(qwen_models_dir, cpu_linears):
+    """The target's layers are above the oneDNN bound: its greedy decoding, with plain and packed weights."""
     config = EngineConfig.model_validate({
-        "models_dir": str(qwen_models_dir), "dtype": "float32", "torch_threads": 2,
+        "models_dir": str(qwen_models_dir), "dtype": "float32", "torch_threads": 2, "cpu_linears": cpu_linears,
         "target": {"name": "qwen1.5b", "source": "qwen2.5-coder-1.5b-instruct"},
         "ssms": [{"name": "qwen0.5b", "source": "qwen2.5-coder-0.5b-instruct"}],
         "suffix": {"name": "suffix"},
     })
     engine = build_engine(config)
+    kinds = {type(m).__name__ for m in engine.target.model.modules()}
+    assert ("PackedOneDNNLinear" in kinds) == (cpu_linears == "onednn_packed") and "OneDNNLinear" in kinds
     prompt = engine.tokenizer.encode("def quicksort(arr):\n    " + "# sort the list in place, recursively\n    " * 3)
     assert len(prompt) >= 32
     prompt = prompt[:32]

@@ -38,13 +38,14 @@ def make_engine(target, ssm, eos=None) -> SpeculativeEngine:
     return SpeculativeEngine(TargetModel(target), drafters, IdTokenizer(), eos_ids=set() if eos is None else {eos})
 
 
-@pytest.mark.parametrize("linears", ["torch", "onednn"])
+@pytest.mark.parametrize("linears", ["torch", "onednn", "onednn_packed"])
 @pytest.mark.parametrize("arch,vocab,prompt,mode,expansion,proposers", CASES)
 def test_greedy_matches_generate(arch, vocab, prompt, mode, expansion, proposers, linears):
     target = tiny_model(arch, vocab, layers=2, seed=1)
     ssm = tiny_model(arch, vocab, layers=1, seed=2)
-    if linears == "onednn":  # the config's default on CPU (cpu_linears): the reference runs on the same kernels
-        assert onednn_linears(target, min_weights=0) == 15 and onednn_linears(ssm, min_weights=0) == 8
+    if linears != "torch":  # the config's cpu_linears: the reference runs on the same kernels
+        packed = linears == "onednn_packed"
+        assert onednn_linears(target, 0, packed) == 15 and onednn_linears(ssm, 0, packed) == 8
     engine = make_engine(target, ssm)
     options = SpeculationOptions(mode=mode, expansion=expansion, sequence_depth=3, proposers=proposers)
     result = engine.generate(GenerationRequest(tuple(PROMPTS[prompt]), 40, speculation=options))

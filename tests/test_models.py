@@ -10,8 +10,8 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 from cluster.cli import main
 import torch
 
-from engine.models import (ONEDNN_MIN_WEIGHTS, LoadedModel, ModelSpec, OneDNNLinear, check_architecture,
-                           check_same_vocabulary, onednn_linears, quantize_int8)
+from engine.models import (ONEDNN_MIN_WEIGHTS, LoadedModel, ModelSpec, OneDNNLinear, PackedOneDNNLinear,
+                           check_architecture, check_same_vocabulary, onednn_linears, quantize_int8, use_onednn)
 from tests.tiny_models import tiny_model
 
 
@@ -155,20 +155,22 @@ def test_activation_dtype_and_kv_pool_follow_the_compute(dtype, quantized, expec
     assert KVStorage.for_model(model, slots=4).keys[0].dtype == getattr(torch, expected)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("shape,bias", [((1, 32), True), ((3, 32), False), ((1, 1, 32), True), ((1, 8, 32), True),
-                                        ((2, 5, 32), False)])
-def test_onednn_linear_computes_the_same_product(shape, bias):
+                                        ((2, 5, 32), False), ((1, 40, 32), True)])
+def test_onednn_linear_computes_the_same_product(shape, bias, packed):
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 48, bias=bias)
     x = torch.randn(*shape)
     expected = linear(x)
-    linear.__class__ = OneDNNLinear
-    assert isinstance(linear, torch.nn.Linear)
+    use_onednn(linear, packed)
+    assert isinstance(linear, OneDNNLinear) and linear.weight.is_mkldnn == packed
     got = linear(x)
     assert got.shape == expected.shape == (*shape[:-1], 48)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype,quantized,min_weights,switched", [
     (torch.float32, False, 0, 15),  # 2 layers x 7 projections + lm_head
     (torch.float32, False, 64 * 64, 11),  # k_proj and v_proj (64 -> 32) stay with torch
@@ -176,17 +178,38 @@ def test_onednn_linear_computes_the_same_product(shape, bias):
     (torch.bfloat16, False, 0, 0),  # torch already hands bf16 to oneDNN where the CPU has native bf16
     (torch.float32, True, 0, 0),  # int8 dynamic linears are not nn.Linear: they keep fbgemm
 ])
-def test_onednn_linears_switches_large_float32_linears_only(dtype, quantized, min_weights, switched):
+def test_onednn_linears_switches_large_float32_linears_only(dtype, quantized, min_weights, switched, packed):
     model = tiny_model("qwen2", 64, layers=2).to(dtype)
     if quantized:
         model = quantize_int8(model)
-    keys = list(model.state_dict())
+    state = model.state_dict()
     ids = torch.tensor([[3, 17, 5, 9]])
     with torch.inference_mode():
         before = model(ids).logits
-        assert onednn_linears(model, min_weights) == switched
+        assert onednn_linears(model, min_weights, packed) == switched
         after = model(ids).logits
-    assert sum(type(m) is OneDNNLinear for m in model.modules()) == switched
-    assert list(model.state_dict()) == keys
+    kinds = [type(m) for m in model.modules()]
+    assert kinds.count(PackedOneDNNLinear if packed else OneDNNLinear) == switched
+    assert kinds.count(OneDNNLinear if packed else PackedOneDNNLinear) == 0
+    assert list(model.state_dict()) == list(state)  # and the same weights: a packed one reads back exactly
+    assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items()
+               if isinstance(value, torch.Tensor))  # an int8 model's state dict holds dtypes too
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_linears_load_a_state_dict_and_leave_tied_weights_plain():
+    """A packed model takes another model's state dict (packing it again); a weight the embeddings
+    share (tied lm_head) stays plain, so the embedding lookup still reads it."""
+    model, other = tiny_model("qwen2", 64, layers=2, seed=1), tiny_model("qwen2", 64, layers=2, seed=2)
+    assert onednn_linears(model, 0, packed=True) == 15
+    model.load_state_dict(other.state_dict())
+    ids = torch.tensor([[3, 17, 5, 9]])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, other(ids).logits, rtol=1e-4, atol=1e-4)
+    assert model.model.layers[0].mlp.up_proj.weight.is_mkldnn
+    tied = tiny_model("qwen2", 64, layers=2, seed=1)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    assert onednn_linears(tied, 0, packed=True) == 15
+    assert type(tied.lm_head) is OneDNNLinear and tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert type(tied.model.layers[0].mlp.up_proj) is PackedOneDNNLinear
 
