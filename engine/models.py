@@ -90,7 +90,8 @@ def load_model(spec: ModelSpec, attn_implementation: str = "sdpa") -> LoadedMode
     if device.type == "cpu" and spec.dtype == "bfloat16" and not cpu_has_bf16():
         logger.warning("%s: bfloat16 on a CPU without native bf16 (no AVX512-BF16 / AMX): matrix products are "
                        "emulated, a forward of several tokens costs several times one of a single token and "
-                       "trees barely pay; float32 is faster here (dtype: float32)", spec.name)
+                       "trees barely pay; float32 is faster here (dtype: float32, and cpu_linears: "
+                       "onednn_packed where the target verifies trees)", spec.name)
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
 

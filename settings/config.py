@@ -226,8 +226,9 @@ class EngineConfig(Strict):
         default="onednn", description="float32 linear layers on CPU (engine.models.onednn_linears): oneDNN's "
                                       "kernels (onednn; a forward over 8 tokens 1.7-1.8x faster than MKL on an "
                                       "AVX2 AMD EPYC), the same with weights packed once for passes of a few "
-                                      "tokens (onednn_packed; HumanEval fp32: tree 1.08x and HF assisted 1.09x "
-                                      "faster, plain decoding 1.16x slower), or torch's default (torch: MKL)")
+                                      "tokens (onednn_packed; HumanEval fp32, per-prompt medians: tree 1.16x and "
+                                      "HF assisted 1.08x faster, plain decoding 1.10x slower), or torch's default "
+                                      "(torch: MKL)")
     target: ModelConfig
     ssms: list[ModelConfig] = Field(default_factory=list)
     suffix: SuffixConfig | None = SuffixConfig()
