@@ -226,9 +226,9 @@ class EngineConfig(Strict):
         default="onednn", description="float32 linear layers on CPU (engine.models.onednn_linears): oneDNN's "
                                       "kernels (onednn; a forward over 8 tokens 1.7-1.8x faster than MKL on an "
                                       "AVX2 AMD EPYC), the same with weights packed once for passes of a few "
-                                      "tokens (onednn_packed; HumanEval fp32, per-prompt medians: tree 1.16x and "
-                                      "HF assisted 1.08x faster, plain decoding 1.10x slower), or torch's default "
-                                      "(torch: MKL)")
+                                      "tokens (onednn_packed; HumanEval fp32, per-prompt medians of two runs: tree "
+                                      "1.16-1.17x and HF assisted 1.08-1.12x faster, plain decoding 3-10% slower), "
+                                      "or torch's default (torch: MKL)")
     target: ModelConfig
     ssms: list[ModelConfig] = Field(default_factory=list)
     suffix: SuffixConfig | None = SuffixConfig()
