@@ -23,7 +23,7 @@ def model_spec(config: EngineConfig, model: ModelConfig) -> ModelSpec:
     return ModelSpec(
         name=model.name,
         source=config.resolve_source(model.source),
-        dtype=model.dtype or config.dtype,
+        dtype=config.model_dtype(model),
         trust_remote_code=model.trust_remote_code,
         gguf_file=model.gguf_file,
         revision=model.revision,

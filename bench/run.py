@@ -74,7 +74,7 @@ class BenchSettings:
 def run_identity(settings: BenchSettings, config: EngineConfig) -> dict:
     """What rows of one output directory must share (methods and prompt count may grow)."""
     engine = config.model_dump(include={"dtype", "target", "ssms", "suffix", "speculation"}, mode="json")
-    float32 = "float32" in {m.dtype or config.dtype for m in (config.target, *config.ssms)}  # what it changes
+    float32 = "float32" in {config.model_dtype(m) for m in (config.target, *config.ssms)}  # what it changes
     if float32 and config.cpu_linears != "onednn":  # unnamed: directories made before the setting resume
         engine["cpu_linears"] = config.cpu_linears
     return {"dataset": settings.dataset, "max_new_tokens": settings.max_new_tokens,

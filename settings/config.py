@@ -295,6 +295,10 @@ class EngineConfig(Strict):
     def resolved_models_dir(self) -> Path:
         return Path(os.environ.get("SPECINFER_MODELS") or self.models_dir).expanduser()
 
+    def model_dtype(self, model: ModelConfig) -> Dtype:
+        """The dtype ``model`` runs in: its own, or the config's."""
+        return model.dtype or self.dtype
+
     def resolve_source(self, source: str) -> str:
         """A name under models_dir, an existing path, or else a hub id (left as is)."""
         candidate = self.resolved_models_dir() / source

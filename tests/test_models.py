@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -182,7 +183,7 @@ def test_onednn_linears_switches_large_float32_linears_only(dtype, quantized, mi
     model = tiny_model("qwen2", 64, layers=2).to(dtype)
     if quantized:
         model = quantize_int8(model)
-    state = model.state_dict()
+    state = copy.deepcopy(model.state_dict())  # a copy: the plain path's state dict shares the weights
     ids = torch.tensor([[3, 17, 5, 9]])
     with torch.inference_mode():
         before = model(ids).logits
