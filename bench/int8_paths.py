@@ -1,5 +1,6 @@
 """The int8 SSM's forward cost and memory by quantization path: torch.ao's ``quantize_dynamic``
-(deprecated; what ``engine.models.quantize_int8`` uses) against torchao's maintained API.
+(deprecated; what ``engine.models.quantize_int8`` uses, with its sibling projections fused) against
+torchao's maintained API.
 
     python bench/int8_paths.py --model ~/.cache/specinfer/models/qwen2.5-coder-0.5b-instruct \
         --threads 2 --out bench/results/int8-paths.json
@@ -13,6 +14,8 @@ after warm-up, the cache cropped back after each. Also the process's RSS after q
 Paths:
 * ``fp32``: no quantization (the float copy every int8 path starts from).
 * ``ao-dynamic``: ``torch.ao.quantization.quantize_dynamic`` (qint8 linears; fbgemm kernels).
+* ``ao-dynamic-fused``: the same, then q/k/v and gate/up as one product each
+  (``engine.fused_int8``): what the project runs.
 * ``torchao-dyn``: torchao ``Int8DynamicActivationInt8WeightConfig``, eager.
 * ``torchao-wo``: torchao ``Int8WeightOnlyConfig``, eager.
 * ``torchao-dyn-compiled``: the ``torchao-dyn`` model under ``torch.compile`` (Inductor), compile
@@ -25,21 +28,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-PATHS = ("fp32", "ao-dynamic", "torchao-dyn", "torchao-wo", "torchao-dyn-compiled")
+PATHS = ("fp32", "ao-dynamic", "ao-dynamic-fused", "torchao-dyn", "torchao-wo", "torchao-dyn-compiled")
 
 
 def quantize(model, path: str):
     import torch
 
+    from engine.fused_int8 import fuse_int8_siblings
+
     model = model.float()
-    if path == "ao-dynamic":
-        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    if path.startswith("ao-dynamic"):
+        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        if path == "ao-dynamic-fused":
+            fuse_int8_siblings(model)
+        return model
     if path.startswith("torchao"):
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
 
@@ -48,20 +55,24 @@ def quantize(model, path: str):
 
 
 def time_forward(model, cache, tokens: int, repeats: int) -> float:
-    """Median ms of a forward of ``tokens`` new tokens on ``cache``, cropped back after each."""
+    """Median ms of a forward of ``tokens`` new tokens on ``cache`` (two warm-ups), the cache
+    cropped back before each (timed with it: a view of each layer's entries, microseconds)."""
     import torch
 
     from engine import kv
+    from engine.timing import median_ms
 
     length = kv.cache_length(cache)
     ids = torch.arange(100, 100 + tokens)[None]
-    times = []
-    for _ in range(repeats + 2):  # two warm-up forwards
-        began = time.perf_counter()
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        times.append((time.perf_counter() - began) * 1e3)
+
+    def forward() -> None:
         kv.crop(cache, length)
-    return statistics.median(times[2:])
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    forward()
+    milliseconds = median_ms(forward, repeats)
+    kv.crop(cache, length)
+    return milliseconds
 
 
 def run_path(model_dir: str, path: str, threads: int, prefix: int, repeats: int) -> dict:

@@ -29,4 +29,4 @@ Glossary of dimension letters used in tensor shape comments (``# [N, V]``):
 
 __all__ = ["tree", "models", "kv", "draft", "merge", "verify", "sampling", "target", "requests", "step", "generate",
            "kv_pool", "packed", "batcher", "paged_models", "budget", "shape", "text", "offload",
-           "prefetch", "timing"]
+           "prefetch", "timing", "fused_int8"]

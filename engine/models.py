@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
+from .fused_int8 import fuse_int8_siblings
+
 logger = logging.getLogger(__name__)
 
 # Architectures whose KV cache is plain full attention that honours a custom 4-D float mask and
@@ -170,7 +172,8 @@ def truncate_layers(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
 
 def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
     """Dynamic int8 quantization of the linear layers (CPU): a faster SSM; verification keeps
-    the output exact whatever the SSM proposes.
+    the output exact whatever the SSM proposes. Sibling projections of one input (q/k/v, gate/up)
+    then share one int8 product (``engine.fused_int8``), with the same outputs.
 
     The int8 linears compute in float32, so the model is made float32 first, in place (the default
     deep-copies the float model: one more full copy at the loading peak). The input embeddings stay
@@ -183,6 +186,7 @@ def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
     loaded_dtype = model.dtype
     model = model.float()
     model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    fuse_int8_siblings(model)
     if loaded_dtype in (torch.bfloat16, torch.float16):
         embeddings = model.get_input_embeddings()
         embeddings.weight.data = embeddings.weight.data.to(loaded_dtype)
