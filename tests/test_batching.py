@@ -334,6 +334,32 @@ def test_measure_curve_stops_past_the_limit_and_keeps_the_faster_reference():
     assert curve == {1: 90.0, 2: 100.0, 4: 110.0, 8: 150.0, 16: 250.0}
 
 
+@pytest.mark.parametrize("max_tokens,slack,timings,calls,expected", [
+    # Sweep 1 stops past 2x the one-token pass; sweep 2 hits a slow stretch; the medians ignore it.
+    (64, 1.0, {1: [100, 130, 100, 96], 2: [100, 180, 104], 4: [110, 200, 112], 8: [150, 220, 150],
+               16: [250, 300, 260]},
+     [1, 1, 2, 4, 8, 16] + [1, 2, 4, 8, 16] * 2 + [1],
+     {1: 100, 2: 104, 4: 112, 8: 150, 16: 260}),
+    # Passes past RESWEEP_MAX_TOKENS (16) are timed once.
+    (32, float("inf"), {1: [50, 60, 40, 55], 2: [52, 70, 51], 4: [54, 54, 90], 8: [60, 61, 62],
+                        16: [80, 70, 75], 32: [120]},
+     [1, 1, 2, 4, 8, 16, 32] + [1, 2, 4, 8, 16] * 2 + [1],
+     {1: 52.5, 2: 52, 4: 54, 8: 61, 16: 75, 32: 120}),
+])
+def test_measure_curve_sweeps_take_each_sizes_median(max_tokens, slack, timings, calls, expected):
+    from engine.budget import measure_curve
+
+    seen, left = [], {size: list(times) for size, times in timings.items()}
+
+    def time_pass(size: int) -> float:
+        seen.append(size)
+        return 999.0 if len(seen) == 1 else float(left[size].pop(0))  # the first pass warms up
+
+    assert measure_curve(time_pass, max_tokens, slack, sweeps=3) == expected
+    assert seen == calls
+    assert not any(left.values())  # every timing was used
+
+
 def test_tree_budget_trims_the_schedule_not_the_drawn_tree():
     """A budget of 4 nodes keeps the first levels of the expansion (decided before drafting)."""
     from engine.step import plan_proposers
