@@ -136,7 +136,7 @@ def measure_target_curve(target, max_tokens: int, slack: float, prefix: int = 25
     """The verify-cost curve of any target (``engine.target.Target``) on a ``prefix``-token request:
     what cost-aware shapes read where no packed-forward timing exists (in-process engines). Each
     pass is timed once per sweep (``measure_curve``); on a 2-core AVX2 box with CPU steal one sweep's
-    8-token pass ranged 1.27-1.61x the one-token pass over five sweeps."""
+    8-token pass ranged 1.28-1.61x the one-token pass over five sweeps."""
     state = target.new_state(reserve_tokens=prefix + 4 * max_tokens + 64)
     try:
         target.prefill(state, [0] * prefix)

@@ -29,9 +29,10 @@ SIBLINGS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gat
 class SharedProduct:
     """The stacked product of sibling linears, computed once per input and handed out by slices.
 
-    Each thread keeps its last input, the slices and which parts took theirs; once every part took
-    its slice the entry is dropped, so nothing outlives a layer's forward. A part called with another
-    input (another call order, another thread) computes the product anew: still the right result.
+    Each thread keeps its own entry: its last input, the slices and which parts took theirs; once
+    every part took its slice the entry is dropped, so nothing outlives a layer's forward. A part
+    called with another input than the entry's, or a second time, computes the product anew: still
+    the right result, one product more.
     """
 
     def __init__(self, fused: DynamicInt8Linear, sizes: Sequence[int]):
