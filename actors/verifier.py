@@ -13,7 +13,7 @@ from engine.step import TARGET_STREAM, Drafted, first_token, verify_and_commit
 from engine.models import eos_token_ids
 from engine.sampling import SamplingParams, make_generator
 from engine.paged_models import packed_timer
-from engine.budget import measure_curve, measure_target_curve
+from engine.budget import CURVE_SWEEPS, measure_curve, measure_target_curve
 from engine.kv_pool import PagedSequence, StateLost
 from engine.target import TargetState
 
@@ -75,8 +75,9 @@ class VerifierActor(HoldsRequests):
         sizes = max(budget.max_total_tokens if by_budget else 1,
                     config.speculation.cost.curve_max_tokens if config.cost_aware_shapes else 1)
         if self.paged:
-            with packed_timer(self.target.batcher.model) as time_pass:  # one prefill for every size
-                curve = measure_curve(time_pass, sizes, slack)
+            # One prefill for every size; each size a median over interleaved sweeps, as unbatched.
+            with packed_timer(self.target.batcher.model, repeats=1) as time_pass:
+                curve = measure_curve(time_pass, sizes, slack, CURVE_SWEEPS)
         else:
             curve = measure_target_curve(self.target, sizes, slack)
         logger.info("verify-cost curve (tokens per pass -> ms): %s", {k: round(v, 1) for k, v in curve.items()})

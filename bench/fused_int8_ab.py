@@ -4,8 +4,9 @@ one process and alternating, so that both see the same machine load.
     python bench/fused_int8_ab.py --model ~/.cache/specinfer/models/qwen2.5-coder-0.5b-instruct \
         --threads 2 --rounds 8 --out bench/results/int8-fused-ab.json
 
-Loads the model in bf16 (as configured), makes two int8 copies (``quantize_dynamic`` alone, and
-``engine.models.quantize_int8``, which fuses), checks that their logits over the prompt are equal,
+Loads the model in bf16 (as configured), makes two int8 copies (``bench.int8_paths``' paths
+``ao-dynamic``, ``quantize_dynamic`` alone, and ``ao-dynamic-fused``, then fused as
+``engine.models.quantize_int8`` does), checks that their logits over the prompt are equal,
 then per round times a decode step (1 token) and a tree level (4 tokens) on each, each the median
 of ``--repeats`` (``bench.int8_paths.time_forward``). Reports each round and the median over rounds.
 ``bench/int8_paths.py`` runs each path in a fresh process instead (its memory apart), where this
@@ -22,27 +23,22 @@ import sys
 import time
 from pathlib import Path
 
-from bench.int8_paths import time_forward
+from bench.int8_paths import quantize, time_forward
 
-VARIANTS = ("separate", "fused")
+VARIANTS = {"separate": "ao-dynamic", "fused": "ao-dynamic-fused"}  # bench.int8_paths' paths
 
 
 def load_variants(model_dir: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.models import quantize_int8
-
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    separate = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model).float(), {torch.nn.Linear},
-                                                      dtype=torch.qint8)
-    began = time.perf_counter()
-    fused = quantize_int8(model)
-    print(f"quantize_int8 (with fusing) {time.perf_counter() - began:.1f} s", flush=True)
-    table = separate.get_input_embeddings()  # as quantize_int8 does: the bf16 table, widened per lookup
-    table.weight.data = table.weight.data.to(torch.bfloat16)
-    table.register_forward_hook(lambda module, args, output: output.float())
-    return {"separate": separate, "fused": fused}
+    variants = {}
+    for name, path in VARIANTS.items():
+        began = time.perf_counter()
+        variants[name] = quantize(copy.deepcopy(model), path)
+        print(f"{path}: quantized in {time.perf_counter() - began:.1f} s", flush=True)
+    return variants
 
 
 def main(argv=None) -> int:

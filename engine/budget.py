@@ -85,7 +85,7 @@ def budget_from_curve(curve: dict[int, float], slack: float, min_tree_nodes: int
 
 
 RESWEEP_MAX_TOKENS = 16  # the passes a tree's verify usually costs: timed again by extra sweeps
-CURVE_SWEEPS = 3  # sweeps of a curve whose passes are timed once each (an unbatched target)
+CURVE_SWEEPS = 3  # sweeps of every verify-cost curve the engine and the verifier measure
 
 
 def measure_curve(time_pass: Callable[[int], float], max_tokens: int, slack: float, sweeps: int = 1) -> dict[int, float]:
@@ -135,8 +135,9 @@ def measure_target_curve(target, max_tokens: int, slack: float, prefix: int = 25
                          sweeps: int = CURVE_SWEEPS) -> dict[int, float]:
     """The verify-cost curve of any target (``engine.target.Target``) on a ``prefix``-token request:
     what cost-aware shapes read where no packed-forward timing exists (in-process engines). Each
-    pass is timed once per sweep (``measure_curve``); on a 2-core AVX2 box with CPU steal one sweep's
-    8-token pass ranged 1.28-1.61x the one-token pass over five sweeps."""
+    size is the median over ``sweeps`` interleaved sweeps (``measure_curve``; the batched verifier
+    times its packed passes the same way): on a 2-core AVX2 box with CPU steal one sweep's 8-token
+    pass ranged 1.28-1.61x the one-token pass over five sweeps."""
     state = target.new_state(reserve_tokens=prefix + 4 * max_tokens + 64)
     try:
         target.prefill(state, [0] * prefix)
