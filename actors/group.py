@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import ray
 
@@ -16,6 +19,47 @@ from .verifier import TargetInfo, VerifierActor
 logger = logging.getLogger(__name__)
 
 
+class Releaser:
+    """Sends ``release`` calls from its own thread, outside any request's Ray task.
+
+    A call sent from the request's own coroutine is a child of the task Serve runs the request in,
+    and when the client goes away Serve cancels that task with its children (``ray.cancel``,
+    recursive). Whether a release sent from the coroutine's ``finally`` is among them is a race
+    between the core worker's child cancellation and the coroutine's unwinding (it lost on a loaded
+    CI box): the request's state and KV blocks would stay in the actors until the TTL sweep. From a
+    thread of its own (no asyncio task context) the call is nobody's child.
+
+    Example: ``Releaser().send([ssm, merge, verifier], "r1")`` returns at once; the calls
+    ``release("r1")`` leave soon after, and the future it returned is done once they left.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def send(self, actors, request_id: str) -> Future:
+        """Queue ``release(request_id)`` for each actor handle in ``actors``; the future is done
+        once the calls were sent (not run)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="request-releases", daemon=True)
+                self._thread.start()
+        sent: Future = Future()
+        self._queue.put((tuple(actors), request_id, sent))
+        return sent
+
+    def _run(self) -> None:
+        while True:
+            actors, request_id, sent = self._queue.get()
+            for actor in actors:
+                try:
+                    actor.release.remote(request_id)
+                except Exception:  # a handle that cannot send: its TTL sweep drops the state
+                    logger.warning("release of request %s not sent", request_id, exc_info=True)
+            sent.set_result(None)
+
+
 @dataclass(frozen=True)
 class ActorGroup:
     """Handles to one replica's actors. ``names``: proposers in engine order (SSMs, then suffix)."""
@@ -25,6 +69,7 @@ class ActorGroup:
     ssms: tuple  # ActorHandle per config.ssms entry
     merge: object  # ActorHandle
     verifier: object  # ActorHandle
+    releases: Releaser = field(default_factory=Releaser, compare=False, repr=False)
 
     def everyone(self) -> list:
         return [*self.ssms, self.merge, self.verifier]
@@ -36,9 +81,9 @@ class ActorGroup:
         return handles
 
     def release(self, request_id: str) -> None:
-        """Drop a request's state everywhere; fire and forget (safe inside a cancelled task)."""
-        for actor in self.everyone():
-            actor.release.remote(request_id)
+        """Drop a request's state everywhere; fire and forget (safe inside a cancelled task: the
+        calls leave from the ``Releaser``'s thread)."""
+        self.releases.send(self.everyone(), request_id)
 
     def kill(self) -> None:
         try:

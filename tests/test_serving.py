@@ -364,6 +364,44 @@ def test_abandoned_state_is_swept(serving, ingress):  # noqa: F811
     assert ray.get(verifier.verify.remote("abandoned", None)) is None  # expired: answered, not recreated
 
 
+@pytest.mark.ray
+def test_releases_are_not_children_of_the_requests_task(ray_session):  # noqa: F811
+    """Serve cancels a request's Ray task with its children when the client goes away (ray.cancel,
+    recursive); a release sent from the request's coroutine is one of those children, and it was
+    cancelled before it ran when it waited behind a call whose argument was not ready (``verify``
+    waits for the merged tree): the request's state stayed in the actors. Ray makes a call the
+    child of the task the sending code runs in; the Releaser sends from its own thread, in no task.
+    """
+    import ray
+
+    class Caller:  # local: Ray pickles it by value (workers cannot import this test module)
+        async def attributions(self) -> tuple[str, str | None, str | None]:
+            import asyncio
+
+            from actors.group import Releaser
+
+            seen: list[str | None] = []
+
+            class Release:  # an actor handle's ``release`` method: records whose child a call is
+                @staticmethod
+                def remote(request_id: str) -> None:
+                    seen.append(ray.get_runtime_context().get_task_id())
+
+            class Handle:
+                release = Release
+
+            own = ray.get_runtime_context().get_task_id()
+            Handle.release.remote("r1")  # sent from the coroutine
+            await asyncio.wrap_future(Releaser().send([Handle()], "r1"))
+            return own, *seen
+
+    caller = ray.remote(num_cpus=0)(Caller).remote()
+    own, direct, released = ray.get(caller.attributions.remote(), timeout=60)
+    assert own is not None and direct == own  # a call from the coroutine is the request's child
+    assert released != own, (own, direct, released)
+    ray.kill(caller)
+
+
 # --- distribution ------------------------------------------------------------------------
 
 
