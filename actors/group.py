@@ -3,61 +3,18 @@
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ray
 
 from settings.config import ActorOptions, EngineConfig
 
+from .detached import call_detached
 from .merge import MergeActor
 from .ssm import SSMActor
 from .verifier import TargetInfo, VerifierActor
 
 logger = logging.getLogger(__name__)
-
-
-class Releaser:
-    """Sends ``release`` calls from its own thread, outside any request's Ray task.
-
-    A call sent from the request's own coroutine is a child of the task Serve runs the request in,
-    and when the client goes away Serve cancels that task with its children (``ray.cancel``,
-    recursive). Whether a release sent from the coroutine's ``finally`` is among them is a race
-    between the core worker's child cancellation and the coroutine's unwinding (it lost on a loaded
-    CI box): the request's state and KV blocks would stay in the actors until the TTL sweep. From a
-    thread of its own (no asyncio task context) the call is nobody's child.
-
-    Example: ``Releaser().send([ssm, merge, verifier], "r1")`` returns at once; the calls
-    ``release("r1")`` leave soon after, and the future it returned is done once they left.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def send(self, actors, request_id: str) -> Future:
-        """Queue ``release(request_id)`` for each actor handle in ``actors``; the future is done
-        once the calls were sent (not run)."""
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="request-releases", daemon=True)
-                self._thread.start()
-        sent: Future = Future()
-        self._queue.put((tuple(actors), request_id, sent))
-        return sent
-
-    def _run(self) -> None:
-        while True:
-            actors, request_id, sent = self._queue.get()
-            for actor in actors:
-                try:
-                    actor.release.remote(request_id)
-                except Exception:  # a handle that cannot send: its TTL sweep drops the state
-                    logger.warning("release of request %s not sent", request_id, exc_info=True)
-            sent.set_result(None)
 
 
 @dataclass(frozen=True)
@@ -69,7 +26,6 @@ class ActorGroup:
     ssms: tuple  # ActorHandle per config.ssms entry
     merge: object  # ActorHandle
     verifier: object  # ActorHandle
-    releases: Releaser = field(default_factory=Releaser, compare=False, repr=False)
 
     def everyone(self) -> list:
         return [*self.ssms, self.merge, self.verifier]
@@ -81,9 +37,22 @@ class ActorGroup:
         return handles
 
     def release(self, request_id: str) -> None:
-        """Drop a request's state everywhere; fire and forget (safe inside a cancelled task: the
-        calls leave from the ``Releaser``'s thread)."""
-        self.releases.send(self.everyone(), request_id)
+        """Drop a request's state everywhere; fire and forget.
+
+        Called from the request's ``finally``, which also runs when Serve cancels the request's
+        task (the client went away) and with it, recursively, the calls that task sent and that
+        have not left yet. Sent in the request's context, the releases would be among them (a race
+        a loaded box lost: the state and KV blocks stayed until the TTL sweep); sent detached, they
+        are nobody's children.
+        """
+        call_detached(self._send_releases, request_id)
+
+    def _send_releases(self, request_id: str) -> None:
+        for actor in self.everyone():
+            try:
+                actor.release.remote(request_id)
+            except Exception:  # a handle that cannot send: its TTL sweep drops the state
+                logger.warning("release of request %s not sent", request_id, exc_info=True)
 
     def kill(self) -> None:
         try:

@@ -25,6 +25,8 @@ from typing import Callable
 
 from ray.exceptions import RayActorError
 
+from .detached import task_detached
+
 logger = logging.getLogger(__name__)
 
 
@@ -79,7 +81,8 @@ class Liveness:
             return True
         if self.clock() >= self._next_probe[role]:
             self._next_probe[role] = self.clock() + self.retry_interval_s
-            probe = asyncio.ensure_future(self._probe(role))
+            # detached: sent in the caller's context, the probe would be cancelled with the caller
+            probe = task_detached(self._probe(role))
             self._probes.add(probe)
             probe.add_done_callback(self._probes.discard)
         return False
@@ -90,7 +93,7 @@ class Liveness:
         if cached is not None and self.clock() - cached[0] < self.cache_s:
             return cached[1]
         if self._reporting is None:
-            self._reporting = asyncio.ensure_future(self._probe_all())
+            self._reporting = task_detached(self._probe_all())
         reporting = self._reporting
         try:
             return await asyncio.shield(reporting)

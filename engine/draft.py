@@ -196,6 +196,7 @@ class ModelDrafter:
     """A neural SSM drafting a whole tree level per forward with the tree attention mask."""
 
     own_stream = True  # on CUDA, drafting may run on a stream of its own (on_own_stream)
+    clock = staticmethod(time.perf_counter)  # seconds; cost-aware shapes time the draft and its forwards with it
     keeps_levels = True  # a draft puts its expanded nodes' entries aside for the next (DraftedLevels)
 
     def __init__(self, model, proposer: int, name: str):
@@ -315,7 +316,7 @@ class ModelDrafter:
         """Cost-aware growth (``engine.shape``): each level, as many of the ``beam`` most probable
         nodes as are expected to pay get their ``branch`` most likely children, while one more level
         is expected to pay; the nodes that maximise expected tokens per ms are kept."""
-        began, cost, limit = time.perf_counter(), spec.cost, (spec.max_nodes or 1 << 30) - 1
+        began, cost, limit = self.clock(), spec.cost, (spec.max_nodes or 1 << 30) - 1
         history = self.shape_history(cache)
         stepping = history.last is not None  # not the request's first draft, which feeds its whole prompt
         history.observe(committed)
@@ -329,19 +330,19 @@ class ModelDrafter:
             first = len(builder.tokens)
             ratio = self._expand(builder, path, logits, frontier, cost.branch)
             frontier = sorted(range(first, len(builder.tokens)), key=lambda n: -path[n])[:cost.beam]
-            elapsed = (time.perf_counter() - began) * 1e3
+            elapsed = (self.clock() - began) * 1e3
             count = 0 if depth == cost.max_depth else frontier_to_expand(
                 sorted(path[1:], reverse=True), [path[n] for n in frontier], ratio, history.calibration,
                 elapsed, self.level_costs(len(frontier)), cost, limit, history.overlap)
             if not count:
                 break
             frontier = frontier[:count]
-            level_began = time.perf_counter()
+            level_began = self.clock()
             logits = self._forward_level(cache, builder, frontier, cached, depth, len(committed))
             self._time_forward(level_began, count)
             cached += frontier
         self._put_levels_aside(cache, committed, builder, cached)
-        return self._keep_best(builder, path, history, len(committed), (time.perf_counter() - began) * 1e3,
+        return self._keep_best(builder, path, history, len(committed), (self.clock() - began) * 1e3,
                                cost, limit)
 
     def level_costs(self, most: int) -> list[float]:
@@ -363,7 +364,7 @@ class ModelDrafter:
 
     def _time_forward(self, began: float, tokens: int) -> None:
         """Fold one SSM forward's ms over ``tokens`` tokens into ``forward_ms`` (a moving average)."""
-        ms = (time.perf_counter() - began) * 1e3
+        ms = (self.clock() - began) * 1e3
         self.forward_ms[tokens] = moving_average(self.forward_ms.get(tokens), ms)
 
     def _expand(self, builder: TreeBuilder, path: list[float], logits: torch.Tensor,  # logits [F, V]

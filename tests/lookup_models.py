@@ -11,7 +11,7 @@ Llama and a word-level tokenizer over its vocabulary for end-to-end and CLI test
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -58,13 +58,22 @@ class NoCache:
 
 
 class LookupDrafter(ModelDrafter):
-    """ModelDrafter's own ``draft`` loop; the SSM forward is a table look-up (no KV cache)."""
+    """ModelDrafter's own ``draft`` loop; the SSM forward is a table look-up (no KV cache).
+
+    Its clock is simulated, so cost-aware shapes never depend on the machine's speed or load: it
+    stands still except in a level forward over ``f`` nodes, which takes ``level_ms(f)`` (0 unless
+    given). Example: ``level_ms=lambda f: 1.0 + f`` -> a one-node level moves the clock 2 ms.
+    """
 
     keeps_levels = False  # no KV entries to keep
 
-    def __init__(self, lm: LookupLM, proposer: int, name: str):
+    def __init__(self, lm: LookupLM, proposer: int, name: str,
+                 level_ms: Callable[[int], float] = lambda nodes: 0.0):
         super().__init__(model=None, proposer=proposer, name=name)
-        self.lm = lm
+        self.lm, self.level_ms, self.now = lm, level_ms, 0.0
+
+    def clock(self) -> float:  # seconds
+        return self.now
 
     def new_state(self):
         return NoCache()
@@ -74,6 +83,7 @@ class LookupDrafter(ModelDrafter):
 
     def _forward_level(self, cache, builder, level, *_) -> torch.Tensor:  # -> [F, V]
         """Logits at each node of ``level`` (tree node indices), from its (parent, own) tokens."""
+        self.now += self.level_ms(len(level)) / 1e3
         prev = [builder.tokens[builder.parents[n]] for n in level]
         last = [builder.tokens[n] for n in level]
         return self.lm.table[prev, last]

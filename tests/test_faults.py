@@ -11,6 +11,7 @@ first; afterwards the test checks that the ingress saw the failure (``recoveries
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 
 import grpc
@@ -105,6 +106,7 @@ class FakeActor:
 
     def __init__(self, actor_id: str):
         self.state, outer = "up", self
+        self.contexts: list[contextvars.Context] = []  # the context each ``ready`` call was sent from
 
         class _Id:
             def hex(self):
@@ -112,6 +114,8 @@ class FakeActor:
 
         class _Ready:
             def remote(self):
+                outer.contexts.append(contextvars.copy_context())
+
                 async def answer():
                     if outer.state == "restarting":
                         await asyncio.sleep(3600)
@@ -162,6 +166,29 @@ def test_liveness_marks_probes_and_reports():
         assert await liveness.report() == type(report)(True, (), 0.0)
 
     asyncio.run(scenario())
+
+
+CALLER_TASK = contextvars.ContextVar("caller_task")  # stands in for Ray's: whose child a call is
+
+
+def test_probes_are_sent_outside_the_callers_context():
+    """Ray makes a call the child of the task whose context sends it and cancels it with that task:
+    a probe started by a request or a health call whose client goes away must not be its child."""
+    from actors.liveness import Liveness
+
+    actor = FakeActor("a")
+    liveness = Liveness({"ssm/a": actor}, probe_timeout_s=1.0, retry_interval_s=0.0, cache_s=0.0)
+
+    async def scenario():
+        CALLER_TASK.set("request")
+        liveness.failed("ssm/a")
+        assert not liveness.usable("ssm/a")  # a probe in the background
+        await until(lambda: liveness.recoveries)
+        assert (await liveness.report()).serving  # a health round
+        assert CALLER_TASK.get() == "request"
+
+    asyncio.run(scenario())
+    assert len(actor.contexts) == 2 and all(CALLER_TASK not in context for context in actor.contexts)
 
 
 # --- served ----------------------------------------------------------------------------------

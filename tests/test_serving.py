@@ -370,15 +370,13 @@ def test_releases_are_not_children_of_the_requests_task(ray_session):  # noqa: F
     recursive); a release sent from the request's coroutine is one of those children, and it was
     cancelled before it ran when it waited behind a call whose argument was not ready (``verify``
     waits for the merged tree): the request's state stayed in the actors. Ray makes a call the
-    child of the task the sending code runs in; the Releaser sends from its own thread, in no task.
+    child of the task whose context sends it; ``ActorGroup.release`` sends from an empty context.
     """
     import ray
 
     class Caller:  # local: Ray pickles it by value (workers cannot import this test module)
-        async def attributions(self) -> tuple[str, str | None, str | None]:
-            import asyncio
-
-            from actors.group import Releaser
+        async def attributions(self) -> tuple[str | None, ...]:
+            from actors.group import ActorGroup
 
             seen: list[str | None] = []
 
@@ -392,13 +390,13 @@ def test_releases_are_not_children_of_the_requests_task(ray_session):  # noqa: F
 
             own = ray.get_runtime_context().get_task_id()
             Handle.release.remote("r1")  # sent from the coroutine
-            await asyncio.wrap_future(Releaser().send([Handle()], "r1"))
+            ActorGroup(names=("a",), neural=(True,), ssms=(Handle(),), merge=Handle(), verifier=Handle()).release("r1")
             return own, *seen
 
     caller = ray.remote(num_cpus=0)(Caller).remote()
-    own, direct, released = ray.get(caller.attributions.remote(), timeout=60)
+    own, direct, *released = ray.get(caller.attributions.remote(), timeout=60)
     assert own is not None and direct == own  # a call from the coroutine is the request's child
-    assert released != own, (own, direct, released)
+    assert len(released) == 3 and own not in released, (own, direct, released)
     ray.kill(caller)
 
 
