@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from engine.sampling import SamplingParams
+from .method_names import GREEDY_METHODS, SAMPLED_METHODS, SPELLINGS
 
-from .experiment import load_experiment, run_experiment
-from .methods import GREEDY_METHODS, SAMPLED_METHODS, SPELLINGS
-from .run import BenchSettings, run_bench
+if TYPE_CHECKING:  # the harness (torch, transformers) is imported by the commands, not by `--help`
+    from .run import BenchSettings
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -86,6 +86,10 @@ def concurrency_levels(text: str) -> tuple[int, ...]:
 
 
 def bench_settings(args: argparse.Namespace) -> BenchSettings:
+    from engine.sampling import SamplingParams
+
+    from .run import BenchSettings
+
     if args.via and args.via[0] != "grpc":
         raise ValueError(f"--via takes 'grpc ADDRESS', got {' '.join(args.via)!r}")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -100,6 +104,8 @@ def bench_settings(args: argparse.Namespace) -> BenchSettings:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    from .run import run_bench
+
     try:
         settings = bench_settings(args)
     except ValueError as error:  # BenchSettings checks the options: an argparse error, exit code 2
@@ -112,6 +118,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def run_experiment_command(args: argparse.Namespace) -> int:
+    from .experiment import load_experiment, run_experiment
+
     overrides = {k: v for k, v in (("num_prompts", args.num_prompts), ("max_new_tokens", args.max_new_tokens),
                                    ("datasets", args.datasets.split(",") if args.datasets else None),
                                    ("runs", args.runs.split(",") if args.runs else None)) if v is not None}

@@ -29,12 +29,9 @@ from engine.draft import CHILDREN_RULES
 from engine.requests import SpeculationOptions
 from settings.config import EngineConfig
 
+from .method_names import GREEDY_METHODS, SAMPLED_METHODS, SPELLINGS  # noqa: F401 (re-exported)
+
 BASELINE = "incremental"
-GREEDY_METHODS = ("incremental", "sequence:4", "tree", "ensemble", "hf-assisted")
-SAMPLED_METHODS = ("incremental", "sequence:4", "tree+top_k", "tree+sampled", "tree+sampled_without_replacement",
-                   "hf-assisted")
-SPELLINGS = ("incremental, sequence[:K], tree[:K1-K2-...], ensemble[:K1-K2-...], tree[ssm,...][:K1-...], "
-             "a +top_k / +sampled / +sampled_without_replacement suffix on tree and ensemble, hf-assisted")
 
 
 @dataclass(frozen=True)

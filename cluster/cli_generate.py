@@ -7,10 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from engine.requests import GenerationRequest
-from engine.sampling import SamplingParams
+from typing import TYPE_CHECKING
 
 from settings.config import EngineConfig, load_config
+
+if TYPE_CHECKING:  # the engine (torch, transformers) is imported by the commands that run it, not by `--help`
+    from engine.requests import GenerationRequest
 
 
 def add_parsers(subparsers) -> None:
@@ -66,6 +68,9 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
 
 
 def request_from_args(config: EngineConfig, args, prompt_ids: list[int]) -> GenerationRequest:
+    from engine.requests import GenerationRequest
+    from engine.sampling import SamplingParams
+
     from .build import speculation_options
 
     d = config.defaults

@@ -233,3 +233,14 @@ def test_no_import_cycles():
     messages = [f"{', '.join(sorted(c))}, for instance:\n    " + describe_cycle(shortest_cycle(graph, min(c)))
                 for c in cycles]
     assert not cycles, "import cycles between our modules:\n  " + "\n\n  ".join(messages)
+
+
+def test_the_command_line_parser_imports_no_engine():
+    """`specinfer --help` (and every usage error) builds the whole parser: it must not pay for
+    torch and transformers (seconds), which only the commands that run models need."""
+    import subprocess
+
+    code = ("import sys, cluster.cli; cluster.cli.build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
