@@ -32,6 +32,7 @@ from settings.config import EngineConfig
 from .method_names import GREEDY_METHODS, SAMPLED_METHODS, SPELLINGS  # noqa: F401 (re-exported)
 
 BASELINE = "incremental"
+PEER = "hf-assisted"  # transformers' assisted generation: the per-prompt ratios' second reference
 
 
 @dataclass(frozen=True)

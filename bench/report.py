@@ -52,12 +52,14 @@ def _drafted(summary: dict) -> bool:
 
 def summary_table(summary: dict) -> list[str]:
     """The main table: one row per method, medians over prompts with the p25-p75 spread."""
-    lines = ["| method | prompts | tokens / step | ms / token | speedup vs incremental | mean accepted / step "
-             "| output = incremental |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    peer = any(s.get("speedup_vs_hf_assisted") is not None for s in summary.values())
+    lines = ["| method | prompts | tokens / step | ms / token | speedup vs incremental "
+             + ("| speedup vs hf-assisted " if peer else "") + "| mean accepted / step | output = incremental |",
+             "|---|---:|---:|---:|---:|" + ("---:|" if peer else "") + "---:|---|"]
     for method, s in summary.items():
+        versus_peer = f"| {_cell(s, 'speedup_vs_hf_assisted')} " if peer else ""
         lines.append(f"| `{method}` | {s['prompts']} | {_cell(s, 'tokens_per_step')} | {_cell(s, 'ms_per_token', 1)} "
-                     f"| {_cell(s, 'speedup_vs_incremental')} | {_num(s.get('mean_accepted_per_step'))} "
+                     f"| {_cell(s, 'speedup_vs_incremental')} {versus_peer}| {_num(s.get('mean_accepted_per_step'))} "
                      f"| {_match_cell(s)} |")
     return lines
 
@@ -154,7 +156,8 @@ def write_markdown(path: Path, results: dict, plots: Sequence[Path] = ()) -> Non
              f"Machine: {env['processor']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
              f"torch threads {env['torch_threads']}, transformers {env['transformers']}; {env['time']}.", "",
              "Medians over prompts, p25-p75 in brackets. ms / token is wall time (prefill included) / new "
-             "tokens; speedup is the median of per-prompt ratios to `incremental` on the same prompt.", "",
+             "tokens; speedup is the median of per-prompt ratios to `incremental` (or `hf-assisted`) on the same "
+             "prompt.", "",
              *summary_table(results["summary"]), ""]
     profile = profile_table(results["summary"])
     if profile:

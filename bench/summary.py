@@ -7,7 +7,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .methods import BASELINE, Method
+from .methods import BASELINE, PEER, Method
 from .rows import BenchRow
 from .workloads import EncodedPrompt, pass_of
 
@@ -44,11 +44,17 @@ def _spread(values: Sequence[float]) -> dict | None:
     return {"p25": float(p25), "p75": float(p75), "min": float(min(values)), "max": float(max(values))}
 
 
-def prompt_record(row: BenchRow, baseline: BenchRow | None) -> dict:
-    """A per-prompt row with its ratio to and divergence from the baseline on the same prompt."""
+def _ratio(reference: BenchRow | None, row: BenchRow) -> float | None:
+    """How many times faster than ``reference`` (ms per token) ``row`` ran; None without a reference."""
+    return reference.ms_per_token / row.ms_per_token if reference and row.ms_per_token > 0 else None
+
+
+def prompt_record(row: BenchRow, baseline: BenchRow | None, peer: BenchRow | None = None) -> dict:
+    """A per-prompt row with its ratio to and divergence from the baseline on the same prompt, and its
+    ratio to the peer (transformers' assisted generation) there when the run has it."""
     record = row.to_json()
-    record["speedup_vs_incremental"] = (baseline.ms_per_token / row.ms_per_token
-                                        if baseline and row.ms_per_token > 0 else None)
+    record["speedup_vs_incremental"] = _ratio(baseline, row)
+    record["speedup_vs_hf_assisted"] = _ratio(peer, row)
     record["matches_incremental"] = baseline.token_ids == row.token_ids if baseline else None
     record["first_divergence"] = first_divergence(baseline.token_ids, row.token_ids) if baseline else None
     has_depths = row.accepted_per_depth is not None and row.target_steps
@@ -89,7 +95,7 @@ def acceptance_summary(records: Sequence[dict]) -> dict:
 def method_summary(records: Sequence[dict]) -> dict:
     """Medians over prompts (and their spread) of one method's per-prompt figures."""
     series = {key: [r[key] for r in records if r[key] is not None]
-              for key in ("tokens_per_step", "ms_per_token", "speedup_vs_incremental")}
+              for key in ("tokens_per_step", "ms_per_token", "speedup_vs_incremental", "speedup_vs_hf_assisted")}
     matches = [r["matches_incremental"] for r in records if r["matches_incremental"] is not None]
     summary = {"prompts": len(records), **{key: _median(values) for key, values in series.items()},
                "outputs_match_incremental": sum(matches) / len(matches) if matches else None,
@@ -123,8 +129,8 @@ def summarize(rows: dict[tuple[str, str], BenchRow], methods: Sequence[Method], 
     """The results' ``per_prompt`` rows (in workload order) and ``summary`` keyed by method spelling."""
     per_prompt = []
     for prompt in workload:
-        baseline = rows.get((prompt.id, BASELINE))
-        per_prompt += [prompt_record(rows[(prompt.id, m.spelling)], baseline) for m in methods
+        baseline, peer = rows.get((prompt.id, BASELINE)), rows.get((prompt.id, PEER))
+        per_prompt += [prompt_record(rows[(prompt.id, m.spelling)], baseline, peer) for m in methods
                        if (prompt.id, m.spelling) in rows]
     summary = {m.spelling: {"proposers": m.proposers(proposer_names),
                             **method_summary([r for r in per_prompt if r["method"] == m.spelling])} for m in methods}

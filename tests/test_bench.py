@@ -692,3 +692,23 @@ def test_ttft_floor_prefill_pass_gives_every_block_back():
     with pytest.raises(PoolExhausted):  # more prompt tokens than the pool holds: the item's error, raised
         time_prefill(model, [list(range(1, 90))] * 2, repeats=1)
     assert model.pool.num_free == free
+
+
+@pytest.mark.parametrize("methods, expected", [
+    # ms per token on one prompt: incremental 300, tree 150, hf-assisted 200
+    (("incremental", "tree", "hf-assisted"), {"incremental": 200 / 300, "tree": 200 / 150, "hf-assisted": 1.0}),
+    (("incremental", "tree"), {"incremental": None, "tree": None}),  # no peer in the run: no ratio, no column
+])
+def test_each_method_is_compared_with_hf_assisted_on_the_same_prompt(methods, expected):
+    from bench.report import summary_table
+    from bench.rows import BenchRow
+    from bench.summary import summarize
+    from bench.workloads import EncodedPrompt
+
+    ms = {"incremental": 300.0, "tree": 150.0, "hf-assisted": 200.0}
+    prompt = EncodedPrompt(Prompt("p", "hi"), (1, 2))
+    rows = {("p", m): BenchRow("p", m, 2, (5, 6), "length", 2, 2, 1.0, ms[m], 2 * ms[m]) for m in methods}
+    parsed = [parse_method(m, Proposers(("a",), (True,)), SpeculationOptions()) for m in methods]
+    results = summarize(rows, parsed, [prompt], ["a"])
+    assert {m: s["speedup_vs_hf_assisted"] for m, s in results["summary"].items()} == pytest.approx(expected)
+    assert ("speedup vs hf-assisted" in summary_table(results["summary"])[0]) == ("hf-assisted" in methods)
