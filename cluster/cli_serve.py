@@ -133,10 +133,11 @@ def run_serve(args) -> int:
     apps = [a.get("name") for a in serve_config.get("applications", [])]
     if APP_NAME not in apps:
         raise ValueError(f"{args.config}: no application named {APP_NAME!r} (found {apps})")
-    signal.signal(signal.SIGTERM, _raise_terminated)
     drain_s = EngineConfig.model_validate(engine_section(serve_config, args.config)).server.drain_timeout_s
     object_store = args.object_store_mb * 2**20 if args.object_store_mb else None
     start_local_ray(args.ray_address, args.num_cpus, object_store)
+    # After ray.init, which installs a SIGTERM handler of its own (the driver exits at once, no drain).
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         address = deploy(serve_config)
         print(f"specinfer: serving gRPC specinfer.v1.SpecInfer on {address} (application {APP_NAME!r}; "
