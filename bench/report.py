@@ -50,9 +50,14 @@ def _drafted(summary: dict) -> bool:
     return summary.get("accepted_per_proposer") is not None and bool(summary.get("proposers"))
 
 
+def _compares_with_peer(summary: dict) -> bool:
+    """Whether the run has `hf-assisted` rows to compare each method with, prompt by prompt."""
+    return any(s.get("speedup_vs_hf_assisted") is not None for s in summary.values())
+
+
 def summary_table(summary: dict) -> list[str]:
     """The main table: one row per method, medians over prompts with the p25-p75 spread."""
-    peer = any(s.get("speedup_vs_hf_assisted") is not None for s in summary.values())
+    peer = _compares_with_peer(summary)
     lines = ["| method | prompts | tokens / step | ms / token | speedup vs incremental "
              + ("| speedup vs hf-assisted " if peer else "") + "| mean accepted / step | output = incremental |",
              "|---|---:|---:|---:|---:|" + ("---:|" if peer else "") + "---:|---|"]
@@ -156,8 +161,8 @@ def write_markdown(path: Path, results: dict, plots: Sequence[Path] = ()) -> Non
              f"Machine: {env['processor']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
              f"torch threads {env['torch_threads']}, transformers {env['transformers']}; {env['time']}.", "",
              "Medians over prompts, p25-p75 in brackets. ms / token is wall time (prefill included) / new "
-             "tokens; speedup is the median of per-prompt ratios to `incremental` (or `hf-assisted`) on the same "
-             "prompt.", "",
+             "tokens; speedup is the median of per-prompt ratios to `incremental`"
+             + (" (or `hf-assisted`)" if _compares_with_peer(results["summary"]) else "") + " on the same prompt.", "",
              *summary_table(results["summary"]), ""]
     profile = profile_table(results["summary"])
     if profile:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,8 @@ def test_sigterm_drains_then_stops_cleanly():
     server = subprocess.Popen([sys.executable, "-c", SERVER], cwd=ROOT, env=_server_env(), text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines = []
+    watchdog = threading.Timer(300.0, server.kill)  # a hang guard: reading stdout would block forever
+    watchdog.start()
     try:
         for line in server.stdout:
             lines.append(line)
@@ -47,6 +50,7 @@ def test_sigterm_drains_then_stops_cleanly():
                 break
         rest, _ = server.communicate(timeout=120)  # a hang guard, not a speed bound
     finally:
+        watchdog.cancel()
         if server.poll() is None:
             server.kill()
             server.wait()
