@@ -41,8 +41,9 @@ def load_configured(config: EngineConfig, model: ModelConfig) -> LoadedModel:
         truncate_layers(loaded.model, model.num_layers)
     if model.quantize == "int8":
         loaded = LoadedModel(loaded.spec, quantize_int8(loaded.model), loaded.tokenizer)
-    if config.cpu_linears != "torch":  # after quantizing: int8 linears are not nn.Linear and keep fbgemm
-        onednn_linears(loaded.model, packed=config.cpu_linears == "onednn_packed")
+    kernels = config.linears_for(model)
+    if kernels != "torch":  # after quantizing: int8 linears are not nn.Linear and keep fbgemm
+        onednn_linears(loaded.model, packed=kernels == "onednn_packed")
     return_freed_memory()
     return loaded
 

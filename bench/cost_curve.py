@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--cpu-linears", choices=get_args(CpuLinears), default=None,
-                        help="float32 linear layers on CPU (the config's cpu_linears)")
+                        help="linear layers on CPU (the config's cpu_linears)")
     parser.add_argument("--prefix", type=int, default=256)
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64")
     parser.add_argument("--repeats", type=int, default=5)

@@ -74,13 +74,19 @@ class BenchSettings:
 def run_identity(settings: BenchSettings, config: EngineConfig) -> dict:
     """What rows of one output directory must share (methods and prompt count may grow)."""
     engine = config.model_dump(include={"dtype", "target", "ssms", "suffix", "speculation"}, mode="json")
-    float32 = "float32" in {config.model_dtype(m) for m in (config.target, *config.ssms)}  # what it changes
-    if float32 and config.cpu_linears != "onednn":  # unnamed: directories made before the setting resume
-        engine["cpu_linears"] = config.cpu_linears
+    if any(_kernels_changed(config, model) for model in (config.target, *config.ssms)):
+        engine["cpu_linears"] = config.cpu_linears  # unnamed otherwise: directories made before the setting resume
     return {"dataset": settings.dataset, "max_new_tokens": settings.max_new_tokens,
             "max_prompt_tokens": settings.max_prompt_tokens, "sampling": asdict(settings.sampling),
             "via": settings.via, "engine": engine, **({"label": settings.label} if settings.label else {}),
             **({"repeat": settings.repeat} if settings.repeat > 1 else {})}
+
+
+def _kernels_changed(config: EngineConfig, model) -> bool:
+    """Whether ``model`` runs on other CPU linear kernels than before ``cpu_linears`` existed (float32
+    through plain oneDNN, other dtypes on torch's path, which plain oneDNN is for them)."""
+    dtype, kernels = config.model_dtype(model), config.linears_for(model)
+    return kernels != ("onednn" if dtype == "float32" else "torch") and (dtype == "float32" or kernels != "onednn")
 
 
 def check_run_identity(path: Path, identity: dict) -> None:

@@ -14,7 +14,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-CpuLinears = Literal["onednn", "onednn_packed", "torch"]  # float32 CPU linear kernels (engine.models.onednn_linears)
+CpuLinears = Literal["auto", "onednn", "onednn_packed", "torch"]  # CPU linear kernels (engine.models.onednn_linears)
+Kernels = Literal["onednn", "onednn_packed", "torch"]  # what ``auto`` resolves to, per model dtype
 APP_NAME = "specinfer"
 DEFAULT_AUTH_TOKEN_ENV = "SPECINFER_AUTH_TOKEN"  # server.auth_token_env's default; the client and k8s use it too
 
@@ -223,12 +224,16 @@ class EngineConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     torch_threads: int | None = Field(default=None, ge=1)
     cpu_linears: CpuLinears = Field(
-        default="onednn", description="float32 linear layers on CPU (engine.models.onednn_linears): oneDNN's "
-                                      "kernels (onednn; a forward over 8 tokens 1.7-1.8x faster than MKL on an "
-                                      "AVX2 AMD EPYC), the same with weights packed once for passes of a few "
-                                      "tokens (onednn_packed; HumanEval fp32, per-prompt medians of two runs: tree "
-                                      "1.16-1.17x and HF assisted 1.08-1.12x faster, plain decoding 3-10% slower), "
-                                      "or torch's default (torch: MKL)")
+        default="auto", description="linear layers on CPU (engine.models.onednn_linears). float32: oneDNN's "
+                                    "kernels (onednn; a forward over 8 tokens 1.7-1.8x faster than MKL on an "
+                                    "AVX2 AMD EPYC), the same with weights packed once for passes of a few "
+                                    "tokens (onednn_packed; HumanEval fp32, per-prompt medians of two runs: tree "
+                                    "1.16-1.17x and HF assisted 1.08-1.12x faster, plain decoding 3-10% slower), "
+                                    "or torch's default (torch: MKL). bfloat16, on a CPU that multiplies it "
+                                    "natively: weights packed once (onednn_packed; the default target's forward "
+                                    "15-16% faster at 1-16 tokens on a 2-core AMX Xeon) or torch's default "
+                                    "(onednn or torch: oneDNN with plain weights). auto (the default): onednn in "
+                                    "float32, onednn_packed in bfloat16")
     target: ModelConfig
     ssms: list[ModelConfig] = Field(default_factory=list)
     suffix: SuffixConfig | None = SuffixConfig()
@@ -298,6 +303,13 @@ class EngineConfig(Strict):
     def model_dtype(self, model: ModelConfig) -> Dtype:
         """The dtype ``model`` runs in: its own, or the config's."""
         return model.dtype or self.dtype
+
+    def linears_for(self, model: ModelConfig) -> Kernels:
+        """The CPU linear kernels ``model`` gets: ``cpu_linears``, with ``auto`` resolved by its dtype
+        (float32: onednn; bfloat16: onednn_packed; float16: torch, whose path oneDNN's is)."""
+        if self.cpu_linears != "auto":
+            return self.cpu_linears
+        return {"float32": "onednn", "bfloat16": "onednn_packed"}.get(self.model_dtype(model), "torch")
 
     def resolve_source(self, source: str) -> str:
         """A name under models_dir, an existing path, or else a hub id (left as is)."""

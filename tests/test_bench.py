@@ -230,13 +230,25 @@ def test_missing_dataset_package_names_the_pip_command(monkeypatch):
         list(workloads.load_prompts("humaneval"))
 
 
+@pytest.mark.parametrize("cpu_linears,dtype,kernels", [
+    ("auto", "float32", "onednn"), ("auto", "bfloat16", "onednn_packed"), ("auto", "float16", "torch"),
+    ("torch", "bfloat16", "torch"), ("onednn", "bfloat16", "onednn"), ("onednn_packed", "float32", "onednn_packed")])
+def test_cpu_linears_resolve_per_model_dtype(cpu_linears, dtype, kernels):
+    """``auto`` picks each model's kernels by the dtype it runs in (an SSM may run in its own)."""
+    config = EngineConfig.model_validate({"target": {"name": "t", "source": "t"}, "cpu_linears": cpu_linears,
+                                          "dtype": dtype, "ssms": [{"name": "s", "source": "s", "dtype": "float32"}]})
+    assert config.linears_for(config.target) == kernels
+    assert config.linears_for(config.ssms[0]) == ("onednn" if cpu_linears == "auto" else cpu_linears)
+
+
 @pytest.mark.parametrize("cpu_linears,dtype,recorded", [
-    ("onednn", "float32", None), ("torch", "float32", "torch"), ("onednn_packed", "float32", "onednn_packed"),
-    ("onednn_packed", "bfloat16", None), ("torch", "bfloat16", None)])
+    ("onednn", "float32", None), ("auto", "float32", None), ("torch", "float32", "torch"),
+    ("onednn_packed", "float32", "onednn_packed"),
+    ("onednn_packed", "bfloat16", "onednn_packed"), ("auto", "bfloat16", "auto"),
+    ("onednn", "bfloat16", None), ("torch", "bfloat16", None), ("auto", "float16", None)])
 def test_run_identity_names_cpu_linears_only_where_it_changes_the_run(cpu_linears, dtype, recorded):
-    """Directories made before the setting existed (plain oneDNN's identity in float32, any in bf16,
-    where the setting changes nothing) still resume; a float32 run on other kernels does not mix
-    with them."""
+    """Directories made before the setting existed (plain oneDNN in float32, torch's path in bf16)
+    still resume; a run on other kernels (packed bf16 weights included) does not mix with them."""
     config = EngineConfig.model_validate({"target": {"name": "t", "source": "t"}, "cpu_linears": cpu_linears,
                                           "dtype": dtype})
     identity = run_identity(BenchSettings(config="c.yaml", dataset="humaneval", out=Path("out")), config)
@@ -712,3 +724,22 @@ def test_each_method_is_compared_with_hf_assisted_on_the_same_prompt(methods, ex
     results = summarize(rows, parsed, [prompt], ["a"])
     assert {m: s["speedup_vs_hf_assisted"] for m, s in results["summary"].items()} == pytest.approx(expected)
     assert ("speedup vs hf-assisted" in summary_table(results["summary"])[0]) == ("hf-assisted" in methods)
+
+
+def test_linears_ab_summary_compares_the_two_settings_prompt_by_prompt():
+    """``bench.linears_ab``: per method, each setting's median ms / token, the median of per-prompt
+    ratios (A over B: above 1, B is faster), prompts B won and outputs that match."""
+    from bench.linears_ab import summarize
+
+    def row(prompt, method, a, b, same=True):
+        return {"prompt_id": prompt, "method": method, "same_output": same,
+                "onednn": {"ms_per_token": a, "tokens_per_step": 2.0, "new_tokens": 8},
+                "auto": {"ms_per_token": b, "tokens_per_step": None, "new_tokens": 8}}
+
+    rows = [row("p0", "tree", 100.0, 80.0), row("p1", "tree", 90.0, 100.0, same=False), row("p2", "tree", 120.0, 100.0),
+            row("p0", "incremental", 200.0, 160.0)]
+    summary = summarize(rows, ["onednn", "auto"])
+    assert summary["tree"] == {"prompts": 3, "onednn_ms_per_token": 100.0, "auto_ms_per_token": 100.0,
+                               "onednn_tokens_per_step": 2.0, "auto_tokens_per_step": 1.0,
+                               "ratio_median": 1.2, "auto_faster_prompts": 2, "same_output": 2}
+    assert summary["incremental"]["ratio_median"] == 1.25 and summary["incremental"]["auto_faster_prompts"] == 1
