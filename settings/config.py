@@ -231,7 +231,7 @@ class EngineConfig(Strict):
                                     "1.16-1.17x and HF assisted 1.08-1.12x faster, plain decoding 3-10% slower), "
                                     "or torch's default (torch: MKL). bfloat16, on a CPU that multiplies it "
                                     "natively: weights packed once (onednn_packed; the default target's forward "
-                                    "15-16% faster at 1-16 tokens on a 2-core AMX Xeon) or torch's default "
+                                    "10-17% faster at 1-32 tokens on a 2-core AMX Xeon) or torch's default "
                                     "(onednn or torch: oneDNN with plain weights). auto (the default): onednn in "
                                     "float32, onednn_packed in bfloat16")
     target: ModelConfig
