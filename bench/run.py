@@ -84,9 +84,8 @@ def run_identity(settings: BenchSettings, config: EngineConfig) -> dict:
 
 def _kernels_changed(config: EngineConfig, model) -> bool:
     """Whether ``model`` runs on other CPU linear kernels than before ``cpu_linears`` existed (float32
-    through plain oneDNN, other dtypes on torch's path, which plain oneDNN is for them)."""
-    dtype, kernels = config.model_dtype(model), config.linears_for(model)
-    return kernels != ("onednn" if dtype == "float32" else "torch") and (dtype == "float32" or kernels != "onednn")
+    through plain oneDNN, other dtypes on torch's path)."""
+    return config.linears_for(model) != ("onednn" if config.model_dtype(model) == "float32" else "torch")
 
 
 def check_run_identity(path: Path, identity: dict) -> None:

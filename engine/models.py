@@ -255,9 +255,9 @@ def onednn_linears(model: torch.nn.Module, min_weights: int = ONEDNN_MIN_WEIGHTS
     125 ms at one token, about 26 against 21 GB/s of weights read). fp16 layers are left alone.
     """
     dtypes = {torch.float32} | ({torch.bfloat16} if packed and cpu_has_bf16() else set())
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= min_weights
-               and m.weight.device.type == "cpu" and m.weight.dtype in dtypes]
-    if not linears or not all(_onednn_runs(linear, packed) for linear in _one_per_dtype(linears)):
+    linears = _runnable([m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= min_weights
+                         and m.weight.device.type == "cpu" and m.weight.dtype in dtypes], packed)
+    if not linears:
         return 0
     uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for module in linears:
@@ -294,11 +294,13 @@ def use_onednn(linear: torch.nn.Linear, packed: bool = False) -> None:
         linear.__class__ = OneDNNLinear
 
 
-def _one_per_dtype(linears: list[torch.nn.Linear]) -> list[torch.nn.Linear]:
-    first: dict[torch.dtype, torch.nn.Linear] = {}
+def _runnable(linears: list[torch.nn.Linear], packed: bool) -> list[torch.nn.Linear]:
+    """The ``linears`` whose dtype this torch build's oneDNN computes (one probe per dtype)."""
+    runs: dict[torch.dtype, bool] = {}
     for linear in linears:
-        first.setdefault(linear.weight.dtype, linear)
-    return list(first.values())
+        if linear.weight.dtype not in runs:
+            runs[linear.weight.dtype] = _onednn_runs(linear, packed)
+    return [linear for linear in linears if runs[linear.weight.dtype]]
 
 
 def _onednn_runs(linear: torch.nn.Linear, packed: bool) -> bool:

@@ -305,11 +305,14 @@ class EngineConfig(Strict):
         return model.dtype or self.dtype
 
     def linears_for(self, model: ModelConfig) -> Kernels:
-        """The CPU linear kernels ``model`` gets: ``cpu_linears``, with ``auto`` resolved by its dtype
-        (float32: onednn; bfloat16: onednn_packed; float16: torch, whose path oneDNN's is)."""
-        if self.cpu_linears != "auto":
-            return self.cpu_linears
-        return {"float32": "onednn", "bfloat16": "onednn_packed"}.get(self.model_dtype(model), "torch")
+        """The CPU linear kernels ``model`` runs on: ``cpu_linears``, with ``auto`` resolved by its
+        dtype (float32: onednn; bfloat16: onednn_packed; float16: torch). Plain oneDNN is torch's own
+        path outside float32, so ``onednn`` there is ``torch``."""
+        dtype = self.model_dtype(model)
+        kernels = self.cpu_linears
+        if kernels == "auto":
+            kernels = {"float32": "onednn", "bfloat16": "onednn_packed"}.get(dtype, "torch")
+        return "torch" if kernels == "onednn" and dtype != "float32" else kernels
 
     def resolve_source(self, source: str) -> str:
         """A name under models_dir, an existing path, or else a hub id (left as is)."""

@@ -232,9 +232,11 @@ def test_missing_dataset_package_names_the_pip_command(monkeypatch):
 
 @pytest.mark.parametrize("cpu_linears,dtype,kernels", [
     ("auto", "float32", "onednn"), ("auto", "bfloat16", "onednn_packed"), ("auto", "float16", "torch"),
-    ("torch", "bfloat16", "torch"), ("onednn", "bfloat16", "onednn"), ("onednn_packed", "float32", "onednn_packed")])
+    ("torch", "bfloat16", "torch"), ("onednn", "bfloat16", "torch"), ("onednn_packed", "float32", "onednn_packed"),
+    ("onednn_packed", "bfloat16", "onednn_packed")])
 def test_cpu_linears_resolve_per_model_dtype(cpu_linears, dtype, kernels):
-    """``auto`` picks each model's kernels by the dtype it runs in (an SSM may run in its own)."""
+    """``auto`` picks each model's kernels by the dtype it runs in (an SSM may run in its own); plain
+    oneDNN outside float32 is torch's own path."""
     config = EngineConfig.model_validate({"target": {"name": "t", "source": "t"}, "cpu_linears": cpu_linears,
                                           "dtype": dtype, "ssms": [{"name": "s", "source": "s", "dtype": "float32"}]})
     assert config.linears_for(config.target) == kernels

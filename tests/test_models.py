@@ -181,7 +181,7 @@ def test_onednn_linear_computes_the_same_product(shape, bias, packed):
     (torch.bfloat16, False, 0, "native"),  # packed only, where the CPU multiplies bf16 natively
     (torch.float32, True, 0, 0),  # int8 dynamic linears are not nn.Linear: they keep fbgemm
 ])
-def test_onednn_linears_switches_large_float32_linears_only(dtype, quantized, min_weights, switched, packed):
+def test_onednn_linears_switches_large_float32_and_packed_native_bf16_linears(dtype, quantized, min_weights, switched, packed):
     if switched == "native":  # plain bf16 weights: torch's own path is oneDNN's already, nothing to switch
         switched = 15 if packed and cpu_has_bf16() else 0
     model = tiny_model("qwen2", 64, layers=2).to(dtype)
@@ -211,6 +211,19 @@ def test_bf16_linears_stay_plain_where_the_cpu_emulates_bf16(monkeypatch):
     model = tiny_model("qwen2", 64, layers=2).to(torch.bfloat16)
     assert onednn_linears(model, 0, packed=True) == 0
     assert not any(isinstance(m, OneDNNLinear) for m in model.modules())
+
+
+def test_a_dtype_onednn_cannot_compute_keeps_torchs_path_alone(monkeypatch):
+    """The probe is per dtype: where oneDNN fails on bf16 weights, the float32 ones still switch."""
+    import engine.models as models
+
+    monkeypatch.setattr(models, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(models, "_onednn_runs", lambda linear, packed: linear.weight.dtype == torch.float32)
+    model = tiny_model("qwen2", 64, layers=2)
+    model.model.layers[1].to(torch.bfloat16)  # 7 projections in bf16; 7 + lm_head stay float32
+    assert onednn_linears(model, 0, packed=True) == 8
+    assert type(model.model.layers[1].mlp.up_proj) is torch.nn.Linear
+    assert type(model.model.layers[0].mlp.up_proj) is PackedOneDNNLinear
 
 
 def test_packing_releases_the_checkpoint_mapping(tmp_path):
