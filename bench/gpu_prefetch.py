@@ -40,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.gpu_common import IdTokenizer, synchronize  # noqa: E402
 from engine.draft import ModelDrafter  # noqa: E402
 from engine.generate import SpeculativeEngine  # noqa: E402
+from engine.graphed_models import GraphedDrafter, GraphedTarget  # noqa: E402
+from engine.graphs import GraphRunner  # noqa: E402
 from engine.requests import GenerationRequest, SpeculationOptions  # noqa: E402
 from engine.target import TargetModel  # noqa: E402
 
@@ -50,6 +52,11 @@ SHAPES = {  # (target, SSM): Qwen2.5-Coder 1.5B and 0.5B; "tiny" for a CPU smoke
          "num_attention_heads": 12, "num_key_value_heads": 2},
         {**QWEN, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
          "num_attention_heads": 14, "num_key_value_heads": 2}),
+    "qwen2.5-7b+0.5b": (  # a 7B target (Qwen2.5-7B's layers; the SSM's vocabulary, which planted rules share)
+        {**QWEN, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+         "num_attention_heads": 28, "num_key_value_heads": 4},
+        {**QWEN, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+         "num_attention_heads": 14, "num_key_value_heads": 2}),
     "tiny": (
         {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
@@ -58,7 +65,9 @@ SHAPES = {  # (target, SSM): Qwen2.5-Coder 1.5B and 0.5B; "tiny" for a CPU smoke
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
          "tie_word_embeddings": False}),
 }
-METHODS = ("incremental", "tree, prefetch off", "tree, prefetch on")
+EAGER = ("incremental", "tree, prefetch off", "tree, prefetch on")
+GRAPHED = ("incremental, graphs", "tree, graphs", "tree, graphs, prefetch on")  # engine.graphs: CUDA graphs
+METHODS = EAGER + GRAPHED
 
 
 def rules(vocab: int, agreement: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:  # -> [V], [V]
@@ -106,7 +115,7 @@ def follow(rule: torch.Tensor, last: int, count: int) -> list[int]:
 
 
 def options(method: str, expansion: tuple[int, ...], prefetch: int) -> SpeculationOptions:
-    if method == "incremental":
+    if method.startswith("incremental"):
         return SpeculationOptions(mode="incremental", adaptive=False)
     return SpeculationOptions(mode="tree", expansion=expansion, max_tree_nodes=64, min_confidence=0.0,
                               adaptive=False, prefetch=prefetch if method.endswith("on") else 0)
@@ -127,10 +136,10 @@ def run_one(engine: SpeculativeEngine, method: str, prompt: list[int], tokens: i
             "saved_ms_per_step": s.prefetch_saved_ms / steps, "token_ids": list(result.token_ids)}
 
 
-def summarize(rows: list[dict]) -> list[dict]:
+def summarize(rows: list[dict], methods: tuple[str, ...] = METHODS) -> list[dict]:
     """Per method: medians over prompts; decode tokens/s counts the tokens after the first."""
     table = []
-    for method in METHODS:
+    for method in methods:
         mine = [r for r in rows if r["method"] == method]
         tried = sum(r["prefetch_hits"] + r["prefetch_misses"] for r in mine)
         table.append({
@@ -146,8 +155,8 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def print_table(table: list[dict]) -> None:
-    base = table[1]["decode_tokens_per_s"]
-    print("| method | tokens/s | decode tokens/s | vs prefetch off | tokens/step | step ms | waiting for drafts "
+    base = table[0]["decode_tokens_per_s"]
+    print(f"| method | tokens/s | decode tokens/s | vs {table[0]['method']} | tokens/step | step ms | waiting for drafts "
           "| verify | hit rate | saved ms/step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for t in table:
@@ -169,36 +178,52 @@ def main(argv: list[str] | None = None) -> dict:
                         help="share of tokens where the SSM's rule is the target's (sets acceptance)")
     parser.add_argument("--expansion", default="2,1,1,1,1,1,1", help="the tree's schedule (the default config's)")
     parser.add_argument("--prefetch", type=int, default=2, help="outcomes drafted ahead per step")
+    parser.add_argument("--methods", default=",".join(METHODS).replace(", ", "/"),
+                        help="which methods, comma-separated, with '/' for ', ' (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    methods = tuple(m.replace("/", ", ") for m in args.methods.split(","))
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        parser.error(f"unknown methods {sorted(unknown)}; known: {list(METHODS)}")
     target_config, ssm_config = SHAPES[args.shape]
     dtype = getattr(torch, args.dtype)
     target_rule, ssm_rule = rules(target_config["vocab_size"], args.agreement, args.seed)
     target = build_model(target_config, args.device, dtype, target_rule, args.seed + 1)
     ssm = build_model(ssm_config, args.device, dtype, ssm_rule, args.seed + 2)
-    engine = SpeculativeEngine(TargetModel(target), [ModelDrafter(ssm, 0, "ssm")], IdTokenizer(), set())
+    engines = {method: SpeculativeEngine(TargetModel(target), [ModelDrafter(ssm, 0, "ssm")], IdTokenizer(), set())
+               for method in methods if method in EAGER}
+    capacity = args.prompt_tokens + args.tokens + 256  # a tree's nodes and a draft's levels beyond the output
+    began = time.perf_counter()
+    if set(methods) & set(GRAPHED):
+        graphed = SpeculativeEngine(GraphedTarget(GraphRunner(target, capacity)),
+                                    [GraphedDrafter(GraphRunner(ssm, capacity), 0, "ssm")], IdTokenizer(), set())
+        engines.update({method: graphed for method in methods if method in GRAPHED})
+    capture_s = time.perf_counter() - began
     expansion = tuple(int(k) for k in args.expansion.split(","))
     generator = torch.Generator().manual_seed(args.seed + 3)
     prompts = [torch.randint(0, target_config["vocab_size"], (args.prompt_tokens,), generator=generator).tolist()
                for _ in range(args.prompts)]
-    for method in METHODS:  # warm-up: kernels, allocator, the prefetch thread
-        run_one(engine, method, prompts[0][:16], 8, expansion, args.prefetch, args.device)
+    for method in methods:  # warm-up: kernels, allocator, the prefetch thread
+        run_one(engines[method], method, prompts[0][:16], 8, expansion, args.prefetch, args.device)
     rows = []
     for index, prompt in enumerate(prompts):
-        for method in METHODS[index % 3:] + METHODS[:index % 3]:  # interleaved, each method first in turn
-            row = run_one(engine, method, prompt, args.tokens, expansion, args.prefetch, args.device)
+        turn = index % len(methods)
+        for method in methods[turn:] + methods[:turn]:  # interleaved, each method first in turn
+            row = run_one(engines[method], method, prompt, args.tokens, expansion, args.prefetch, args.device)
             row["follows_the_target"] = row["token_ids"] == follow(target_rule, prompt[-1], args.tokens)
             rows.append(row)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     result = {"device": device, "shape": args.shape, "dtype": args.dtype, "agreement": args.agreement,
               "expansion": list(expansion), "prefetch": args.prefetch, "prompts": args.prompts,
-              "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
+              "prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "graph_capture_s": capture_s,
               "outputs_follow_the_target": all(r["follows_the_target"] for r in rows),
-              "table": summarize(rows), "rows": rows}
+              "table": summarize(rows, methods), "rows": rows}
     args.out.write_text(json.dumps(result, indent=1))
     print(f"{device}, {args.shape}, {args.dtype}, agreement {args.agreement}, {args.prompts} prompts x {args.tokens} "
-          f"tokens; every output is the target's own: {result['outputs_follow_the_target']}")
+          f"tokens; every output is the target's own: {result['outputs_follow_the_target']}; "
+          f"capturing the graphs took {capture_s:.1f} s")
     print_table(result["table"])
     return result
 

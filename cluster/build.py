@@ -16,6 +16,9 @@ from actors.targets import load_target
 from engine.draft import ModelDrafter
 from engine.budget import measure_target_curve
 from engine.generate import SpeculativeEngine
+from engine.graphed_models import GraphedDrafter, GraphedTarget
+from engine.graphs import GraphRunner
+from engine.target import TargetModel
 from engine.shape import TreeCost
 from engine.models import check_same_vocabulary, eos_token_ids
 from engine.requests import SpeculationOptions
@@ -69,11 +72,15 @@ def build_engine(config: EngineConfig) -> SpeculativeEngine:
     if config.verifier.tensor_parallel_size > 1:
         _ensure_ray()
     target_model, target = load_target(config)
+    graphs = graph_capacity(config, target_model)
+    if graphs:
+        target_model = GraphedTarget(GraphRunner(target_model.model, graphs))
     drafters: list = []
     for index, ssm_config in enumerate(config.ssms):
         ssm = load_configured(config, ssm_config)
         check_same_vocabulary(target, ssm)
-        drafters.append(ModelDrafter(ssm.model, index, ssm_config.name))
+        drafters.append(GraphedDrafter(GraphRunner(ssm.model, graphs), index, ssm_config.name) if graphs
+                        else ModelDrafter(ssm.model, index, ssm_config.name))
     if config.suffix:
         drafters.append(SuffixDrafter(len(drafters), config.suffix))
     curve = None
@@ -82,7 +89,22 @@ def build_engine(config: EngineConfig) -> SpeculativeEngine:
         logger.info("verify-cost curve for cost-aware trees (tokens per pass -> ms): %s",
                     {size: round(ms, 1) for size, ms in curve.items()})
     return SpeculativeEngine(target_model, drafters, target.tokenizer, eos_token_ids(target),
+                             max_context=_graph_context(config, target_model) if graphs else None,
                              cost=tree_cost(config, curve))
+
+
+def _graph_context(config: EngineConfig, target_model: GraphedTarget) -> int:
+    """The most tokens a request may have over CUDA graphs: ``cuda_graph_tokens``, within the model's context."""
+    return min(config.cuda_graph_tokens, getattr(target_model.model.config, "max_position_embeddings", None) or 1 << 62)
+
+
+def graph_capacity(config: EngineConfig, target_model) -> int:
+    """KV slots of each CUDA-graph buffer (``EngineConfig.cuda_graphs``), 0 for none: a request's
+    ``cuda_graph_tokens`` plus room for every proposer's tree (up to ``max_tree_nodes`` each) and the
+    levels an SSM drafts. Graphs need CUDA and the plain one-rank target."""
+    if not (config.cuda_graphs and isinstance(target_model, TargetModel) and target_model.model.device.type == "cuda"):
+        return 0
+    return config.cuda_graph_tokens + (len(config.proposer_names()) + 1) * config.speculation.max_tree_nodes
 
 
 def _ensure_ray() -> None:

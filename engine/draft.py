@@ -170,7 +170,7 @@ def choose_children(
     rule = spec.rule
     if rule == "top_k":
         return [(int(t), None) for t in torch.topk(logits, width).indices]
-    q = warp(logits, spec.sampling)
+    q = warp(logits.cpu(), spec.sampling)  # a drafter may leave its logits on its device; draws use a CPU generator
     if rule == "sampled":
         drawn = torch.multinomial(q, width, replacement=True, generator=generator)
         return [(int(t), q) for t in drawn]
