@@ -125,7 +125,9 @@ def time_tree_pass(target, state, size: int) -> float:
     tree = TokenTree(torch.zeros(size, dtype=torch.long), torch.arange(-1, size - 1, dtype=torch.long))
     prefix = state.length
     began = time.perf_counter()
-    target.forward_tree(state, tree)
+    logits = target.forward_tree(state, tree)  # [N, V]
+    if logits.is_cuda:  # the pass's device work, not only its launch
+        torch.cuda.synchronize(logits.device)
     elapsed = (time.perf_counter() - began) * 1e3
     target.commit(state, prefix, (0,))
     return elapsed
