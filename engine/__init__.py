@@ -9,7 +9,8 @@ Glossary of dimension letters used in tensor shape comments (``# [N, V]``):
 
     B  batch dimension of a model input (1: several requests are packed along T instead)
     T  tokens of one packed forward: the new tokens of every request in the batch
-    C  KV slots one request's tokens attend to (its committed prefix + its speculative nodes)
+    C  KV slots one request's tokens attend to (its committed prefix + its speculative nodes;
+       under CUDA graphs, ``engine.graphs``, the whole fixed buffer)
     K  speculative KV entries of one request (its tree nodes written but not yet committed)
     W  slot moves recorded by commits and applied before the next packed forward
     R  rows of a packed forward whose logits are kept
@@ -29,4 +30,4 @@ Glossary of dimension letters used in tensor shape comments (``# [N, V]``):
 
 __all__ = ["tree", "models", "kv", "draft", "merge", "verify", "sampling", "target", "requests", "step", "generate",
            "kv_pool", "packed", "batcher", "paged_models", "budget", "shape", "text", "offload",
-           "prefetch", "timing", "fused_int8"]
+           "prefetch", "timing", "fused_int8", "graphs", "graphed_models"]

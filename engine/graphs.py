@@ -6,7 +6,7 @@ so a level of the 24-layer 0.5B SSM (19 ms) costs as much as a pass of the 28-la
 tree never pays. A CUDA graph replays all of a forward's kernels with one launch. Graphs need fixed
 shapes and addresses, hence:
 
-* one KV buffer per model, ``[layers, H, S, D]`` for keys and for values, holds one sequence: its
+* one KV buffer per model, ``[L, H, C, D]`` for keys and for values, holds one sequence: its
   committed entries in slots ``0 .. L-1``, its speculative ones (tree nodes, drafted levels) right
   after them. ``capacity`` slots for the sequence, then ``largest size`` scratch slots;
 * a forward of ``n`` new tokens gets ``committed`` (L) and ``visible [n, K]`` over the speculative
@@ -39,7 +39,7 @@ SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 @dataclass(frozen=True)
 class StaticContext:
-    """What the attention function needs: each layer's keys and values (``[1, H, S', D]`` views of
+    """What the attention function needs: each layer's keys and values (``[1, H, C, D]`` views of
     the buffer: all of it under a graph, the used part eagerly) and the slots the new entries go to."""
 
     keys: tuple[torch.Tensor, ...]
@@ -80,19 +80,19 @@ def register_attention() -> None:
 def device_bias(
     committed: torch.Tensor,  # [1] int64
     visible: torch.Tensor,  # [n, K] bool
-    columns: torch.Tensor,  # [S] int64, 0 .. S-1
+    columns: torch.Tensor,  # [C] int64, 0 .. C-1
     dtype: torch.dtype,
-) -> torch.Tensor:  # [1, 1, n, S]
+) -> torch.Tensor:  # [1, 1, n, C]
     """The additive mask over the whole buffer, built on the device from fixed-shape inputs (so a
     graph can hold it): 0 for the slots below ``committed`` and for slot ``committed + j`` where
     ``visible[:, j]``, dtype-min elsewhere.
 
-    Example: committed [2], visible [[1, 0], [1, 1]], S 5 -> rows [0, 0, 0, min, min], [0, 0, 0, 0, min].
+    Example: committed [2], visible [[1, 0], [1, 1]], C 5 -> rows [0, 0, 0, min, min], [0, 0, 0, 0, min].
     """
-    rel = columns - committed  # [S]
+    rel = columns - committed  # [C]
     width = visible.shape[1]
     inside = (rel >= 0) & (rel < width)
-    seen = visible.gather(1, rel.clamp(0, width - 1).expand(visible.shape[0], -1)) & inside  # [n, S]
+    seen = visible.gather(1, rel.clamp(0, width - 1).expand(visible.shape[0], -1)) & inside  # [n, C]
     seen |= rel < 0
     bias = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)
     return bias[None, None]
@@ -244,7 +244,7 @@ class GraphRunner:
             self.keys[:, :, target] = self.keys[:, :, source]
             self.values[:, :, target] = self.values[:, :, source]
 
-    def save(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:  # -> each [layers, H, stop - start, D]
+    def save(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:  # -> each [L, H, stop - start, D]
         """A copy of entries ``start .. stop-1``."""
         return self.keys[:, :, start:stop].clone(), self.values[:, :, start:stop].clone()
 
