@@ -105,6 +105,17 @@ def build_model(config: dict, device: str, dtype: torch.dtype, successor: torch.
     return model
 
 
+def graphed_engine(target, ssm, capacity: int) -> SpeculativeEngine:
+    """The in-process engine over CUDA graphs (``engine.graphs``; eager on the CPU), one SSM."""
+    return SpeculativeEngine(GraphedTarget(GraphRunner(target, capacity)),
+                             [GraphedDrafter(GraphRunner(ssm, capacity), 0, "ssm")], IdTokenizer(), set())
+
+
+def graph_capacity(prompt_tokens: int, tokens: int) -> int:
+    """KV slots for a request: its prompt and output, then room for a tree's nodes and a draft's levels."""
+    return prompt_tokens + tokens + 256
+
+
 def follow(rule: torch.Tensor, last: int, count: int) -> list[int]:
     """The target's greedy output: its rule applied ``count`` times from the last prompt token."""
     out = []
@@ -194,11 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
     ssm = build_model(ssm_config, args.device, dtype, ssm_rule, args.seed + 2)
     engines = {method: SpeculativeEngine(TargetModel(target), [ModelDrafter(ssm, 0, "ssm")], IdTokenizer(), set())
                for method in methods if method in EAGER}
-    capacity = args.prompt_tokens + args.tokens + 256  # a tree's nodes and a draft's levels beyond the output
     began = time.perf_counter()
     if set(methods) & set(GRAPHED):
-        graphed = SpeculativeEngine(GraphedTarget(GraphRunner(target, capacity)),
-                                    [GraphedDrafter(GraphRunner(ssm, capacity), 0, "ssm")], IdTokenizer(), set())
+        graphed = graphed_engine(target, ssm, graph_capacity(args.prompt_tokens, args.tokens))
         engines.update({method: graphed for method in methods if method in GRAPHED})
     capture_s = time.perf_counter() - began
     expansion = tuple(int(k) for k in args.expansion.split(","))

@@ -184,6 +184,15 @@ def choose_children(
     return result
 
 
+def level_visibility(builder: TreeBuilder, level: list[int], cached: list[int]) -> torch.Tensor:  # -> [F, K]
+    """What each node of a level forward sees among the draft's own entries ``cached + level``
+    (K columns, in that order): its ancestors and itself.
+
+    Example: parents [-1, 0, 0, 1], cached [1, 2], level [3] -> [[1, 0, 1]] (node 3 sees 1 and itself).
+    """
+    return ancestor_mask(torch.tensor(builder.parents, dtype=torch.long))[level][:, cached + level]
+
+
 def _set_or_drop(table: dict, state, value) -> None:
     """``table[state] = value``, or drop the state's entry when ``value`` is None."""
     if value is None:
@@ -435,8 +444,7 @@ class ModelDrafter:
         The cache holds the committed tokens, then the ``cached`` nodes in that order; the level's
         nodes are appended, so the keys are [committed | cached | level].
         """
-        parents = torch.tensor(builder.parents, dtype=torch.long)
-        visible = ancestor_mask(parents)[level][:, cached + level]  # [F, K]
+        visible = level_visibility(builder, level, cached)  # [F, K]
         bias = attention_bias(visible, committed_length, self.dtype)
         device = self.model.device
         ids = torch.tensor([[builder.tokens[n] for n in level]], dtype=torch.long, device=device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .draft import ModelDrafter, TreeBuilder
+from .draft import ModelDrafter, TreeBuilder, level_visibility
 from .graphs import GraphRunner, StaticSequence
 from .tree import TokenTree, ancestor_mask, positions
 
@@ -103,7 +103,7 @@ class GraphedDrafter(ModelDrafter):
                        depth: int, committed_length: int) -> torch.Tensor:  # -> [F, V]
         """One forward over the level's nodes to expand; keys are [committed | cached | level]. The
         logits stay on the model's device (``choose_children`` takes them to the CPU where it samples)."""
-        visible = ancestor_mask(torch.tensor(builder.parents))[level][:, cached + level]  # [F, K]
+        visible = level_visibility(builder, level, cached)  # [F, K]
         tokens = torch.tensor([builder.tokens[n] for n in level])
         logits = self.runner.forward(tokens, torch.full_like(tokens, committed_length - 1 + depth), committed_length,
                                      visible)

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
 
 from .kv import activation_dtype
+from .kv_pool import head_dim, kv_heads
+from .packed import register_custom_attention
 from .tree import attention_bias
 
 ATTENTION = "specinfer_static"
@@ -60,21 +60,6 @@ def static_attention(module, query, key, value, attention_mask, scaling=None, dr
     out = F.scaled_dot_product_attention(query, keys.to(query.dtype), values.to(query.dtype), attn_mask=attention_mask,
                                          scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
-
-
-_registered = False
-
-
-def register_attention() -> None:
-    """Register ``specinfer_static`` with transformers. Its mask builder is SDPA's: the runner's
-    forwards pass a 4-D mask (used as it is), and without one the DynamicCache path gets the causal
-    mask it needs (with no builder transformers would build none, and SDPA's own causal flag is
-    wrong for new tokens after cached ones)."""
-    global _registered
-    if not _registered:
-        AttentionInterface.register(ATTENTION, static_attention)
-        AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-        _registered = True
 
 
 def device_bias(
@@ -133,16 +118,15 @@ class GraphRunner:
 
     def __init__(self, model, capacity: int, sizes: tuple[int, ...] = SIZES, spec_slots: int = 128,
                  graphs: bool | None = None):
-        register_attention()
+        register_custom_attention(ATTENTION, static_attention)
         model.set_attn_implementation(ATTENTION)
         config, self.model = model.config, model
         self.device = next(model.parameters()).device
         self.dtype = activation_dtype(model)
         self.sizes, self.capacity, self.spec_slots = tuple(sorted(sizes)), capacity, spec_slots
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         slots = capacity + self.sizes[-1]  # the scratch tail: padding and capture write there
-        self.keys = torch.zeros(config.num_hidden_layers, heads, slots, head_dim, dtype=self.dtype, device=self.device)
+        self.keys = torch.zeros(config.num_hidden_layers, kv_heads(config), slots, head_dim(config), dtype=self.dtype,
+                                device=self.device)
         self.values = torch.zeros_like(self.keys)
         self.columns = torch.arange(slots, device=self.device)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs

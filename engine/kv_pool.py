@@ -118,6 +118,11 @@ def kv_heads(model_config) -> int:
     return getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
 
 
+def head_dim(model_config) -> int:
+    """Width of one attention head (its own setting, or hidden size over heads)."""
+    return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+
+
 def heads_per_shard(model_config, shards: int) -> int:
     """Key/value heads each of ``shards`` tensor-parallel ranks holds (whole heads only)."""
     heads = kv_heads(model_config)
@@ -138,9 +143,8 @@ class KVStorage:
     def for_model(cls, model, slots: int, shards: int = 1) -> "KVStorage":
         """Storage for ``model``; with ``shards`` tensor-parallel ranks, one rank's share of the heads."""
         config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dtype = activation_dtype(model)
-        return cls(config.num_hidden_layers, heads_per_shard(config, shards), head_dim, slots, dtype,
+        return cls(config.num_hidden_layers, heads_per_shard(config, shards), head_dim(config), slots, dtype,
                    next(model.parameters()).device)
 
     def move(self, moves: torch.Tensor) -> None:  # moves: [2, W] source, target slots

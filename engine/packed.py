@@ -222,13 +222,15 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out[None], None
 
 
-_registered = False
+def register_custom_attention(name: str, function) -> None:
+    """Register an attention function with transformers under ``name``, with SDPA's mask builder:
+    forwards that pass a 4-D mask use it as it is, and the DynamicCache path (no mask passed) gets
+    the causal mask it needs. Without a builder transformers would build none, and SDPA's own
+    causal flag is wrong for new tokens after cached ones. Registering again replaces the entry."""
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
 
 
 def register_attention() -> None:
-    """Register ``specinfer_paged`` with transformers (its mask builder is SDPA's)."""
-    global _registered
-    if not _registered:
-        AttentionInterface.register(ATTENTION, paged_attention)
-        AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-        _registered = True
+    """Register ``specinfer_paged`` with transformers."""
+    register_custom_attention(ATTENTION, paged_attention)

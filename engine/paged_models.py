@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 
 from .batcher import BatchWaits, ForwardBatcher
-from .draft import DraftSpec, ModelDrafter, Proposal, TreeBuilder
+from .draft import DraftSpec, ModelDrafter, Proposal, TreeBuilder, level_visibility
 from .kv_pool import BlockPool, PagedSequence, SavedEntries
 from .packed import ForwardItem, PackedModel, PagedModel, PromptChunk, chain_item
 from .timing import median_ms
@@ -81,8 +81,7 @@ class PagedDrafter(ModelDrafter):
 
     def _forward_level(self, state: PagedSequence, builder: TreeBuilder, level: list[int], cached: list[int],
                        depth: int, committed_length: int) -> torch.Tensor:  # -> [F, V]
-        parents = torch.tensor(builder.parents, dtype=torch.long)
-        visible = ancestor_mask(parents)[level][:, cached + level]  # [F, K]
+        visible = level_visibility(builder, level, cached)  # [F, K]
         tokens = torch.tensor([builder.tokens[n] for n in level], dtype=torch.long)
         item = ForwardItem(state, tokens, torch.full_like(tokens, committed_length - 1 + depth), visible,
                            torch.arange(len(level)))

@@ -141,3 +141,20 @@ def test_children_lists():
 def test_tree_rejects_non_topological_parents():
     with pytest.raises(ValueError, match="topological"):
         TokenTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 2, 0]))
+
+
+LEVELS = [  # (parents, cached, level, what each level node sees among cached + level)
+    ([-1, 0, 0, 1], [1, 2], [3], [[1, 0, 1]]),  # the docstring's example
+    ([-1, 0, 0], [], [1, 2], [[1, 0], [0, 1]]),  # the first level: siblings do not see each other
+    ([-1, 0, 1, 2], [1, 2], [3], [[1, 1, 1]]),  # a chain sees every earlier level
+]
+
+
+@pytest.mark.parametrize("parents,cached,level,visible", LEVELS)
+def test_level_visibility(parents, cached, level, visible):
+    from engine.draft import TreeBuilder, level_visibility
+
+    builder = TreeBuilder(root=0, proposer=0)
+    for node, parent in enumerate(parents[1:], start=1):
+        builder.add(parent, 100 + node, None)
+    assert level_visibility(builder, level, cached).tolist() == [[bool(x) for x in row] for row in visible]
