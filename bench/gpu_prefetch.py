@@ -111,7 +111,7 @@ def graphed_engine(target, ssm, capacity: int) -> SpeculativeEngine:
                              [GraphedDrafter(GraphRunner(ssm, capacity), 0, "ssm")], IdTokenizer(), set())
 
 
-def graph_capacity(prompt_tokens: int, tokens: int) -> int:
+def buffer_slots(prompt_tokens: int, tokens: int) -> int:
     """KV slots for a request: its prompt and output, then room for a tree's nodes and a draft's levels."""
     return prompt_tokens + tokens + 256
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
                for method in methods if method in EAGER}
     began = time.perf_counter()
     if set(methods) & set(GRAPHED):
-        graphed = graphed_engine(target, ssm, graph_capacity(args.prompt_tokens, args.tokens))
+        graphed = graphed_engine(target, ssm, buffer_slots(args.prompt_tokens, args.tokens))
         engines.update({method: graphed for method in methods if method in GRAPHED})
     capture_s = time.perf_counter() - began
     expansion = tuple(int(k) for k in args.expansion.split(","))

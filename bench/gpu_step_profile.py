@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_common import IdTokenizer, synchronize  # noqa: E402
-from bench.gpu_prefetch import SHAPES, build_model, graph_capacity, graphed_engine, options, rules  # noqa: E402
+from bench.gpu_prefetch import SHAPES, build_model, buffer_slots, graphed_engine, options, rules  # noqa: E402
 from engine import draft as draft_module  # noqa: E402
 from engine import generate as generate_module  # noqa: E402
 from engine import step as step_module  # noqa: E402
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     target = build_model(target_config, args.device, dtype, target_rule, 1)
     ssm = build_model(ssm_config, args.device, dtype, ssm_rule, 2)
     if args.graphs:
-        engine = graphed_engine(target, ssm, graph_capacity(args.prompt_tokens, args.tokens))
+        engine = graphed_engine(target, ssm, buffer_slots(args.prompt_tokens, args.tokens))
     else:
         engine = SpeculativeEngine(TargetModel(target), [ModelDrafter(ssm, 0, "ssm")], IdTokenizer(), set())
     prompt = torch.randint(0, target_config["vocab_size"], (args.prompt_tokens,),

@@ -18,6 +18,7 @@ from engine.generate import SpeculativeEngine
 from engine.graphed_models import GraphedDrafter, GraphedTarget, chain
 from engine.graphs import GraphRunner, device_bias
 from engine.requests import GenerationRequest, SpeculationOptions
+from engine.sampling import SamplingParams
 from engine.shape import TreeCost
 from engine.target import TargetModel
 from engine.tree import TokenTree, attention_bias
@@ -131,8 +132,6 @@ def test_seeded_sampling_draws_as_the_dynamic_cache_engine_does(seed):
     target, ssm = tiny_model("qwen2", layers=2, seed=0), tiny_model("qwen2", layers=1, seed=1)
     plain = SpeculativeEngine(TargetModel(target), [ModelDrafter(ssm, 0, "ssm")], IdTokenizer(), set())
     options = SpeculationOptions(mode="tree", expansion=(2, 1, 1), children="sampled", adaptive=False)
-    from engine.sampling import SamplingParams
-
     request = GenerationRequest((5, 6, 7, 8), 24, SamplingParams(temperature=1.0, seed=seed), speculation=options)
     assert graphed_engine(target, ssm).generate(request).token_ids == plain.generate(request).token_ids
 
