@@ -4,8 +4,8 @@ target verifies on the default stream (the in-process engine, ``engine.generate`
     python bench/gpu_prefetch.py --out $OUT/gpu_prefetch.json                      # on a GPU machine
     python bench/gpu_prefetch.py --shape tiny --device cpu --out /tmp/p.json       # smoke test
 
-Models shaped like the default pair (Qwen2.5-Coder 1.5B target, 0.5B SSM), random bf16 weights,
-no network and no checkpoint. Random models agree on nothing, so both get a *planted* next-token
+Models shaped like the default pair (Qwen2.5-Coder 1.5B target, 0.5B SSM; ``--shape`` also gives
+targets with Qwen2.5-7B's, -14B's or -32B's layers), random bf16 weights, no network and no checkpoint. Random models agree on nothing, so both get a *planted* next-token
 rule at full cost (``plant``): every layer's output projections (attention ``o_proj``, MLP
 ``down_proj``) are zeroed, so the last hidden state is the last token's embedding, and the
 lm_head rows are embedding rows permuted, so the greedy next token after ``x`` is ``rule[x]``
@@ -46,17 +46,25 @@ from engine.requests import GenerationRequest, SpeculationOptions  # noqa: E402
 from engine.target import TargetModel  # noqa: E402
 
 QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768, "tie_word_embeddings": False}
+QWEN_05B = {**QWEN, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+            "num_attention_heads": 14, "num_key_value_heads": 2}  # the SSM of every Qwen shape
 SHAPES = {  # (target, SSM): Qwen2.5-Coder 1.5B and 0.5B; "tiny" for a CPU smoke test
     "qwen2.5-1.5b+0.5b": (
         {**QWEN, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
          "num_attention_heads": 12, "num_key_value_heads": 2},
-        {**QWEN, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-         "num_attention_heads": 14, "num_key_value_heads": 2}),
+        QWEN_05B),
     "qwen2.5-7b+0.5b": (  # a 7B target (Qwen2.5-7B's layers; the SSM's vocabulary, which planted rules share)
         {**QWEN, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
          "num_attention_heads": 28, "num_key_value_heads": 4},
-        {**QWEN, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-         "num_attention_heads": 14, "num_key_value_heads": 2}),
+        QWEN_05B),
+    "qwen2.5-14b+0.5b": (  # Qwen2.5-14B's layers (about 30 GB in bf16)
+        {**QWEN, "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48,
+         "num_attention_heads": 40, "num_key_value_heads": 8},
+        QWEN_05B),
+    "qwen2.5-32b+0.5b": (  # Qwen2.5-32B's layers (about 65 GB in bf16)
+        {**QWEN, "hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64,
+         "num_attention_heads": 40, "num_key_value_heads": 8},
+        QWEN_05B),
     "tiny": (
         {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
@@ -98,8 +106,13 @@ def build_model(config: dict, device: str, dtype: torch.dtype, successor: torch.
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(Qwen2Config(**config))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in its dtype: a 32B model made in float32 first would not fit
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(Qwen2Config(**config))
+    finally:
+        torch.set_default_dtype(previous)
     model = model.to(dtype).eval()
     plant(model, successor)
     return model
