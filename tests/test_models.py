@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import mmap
 
 import pytest
 from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
@@ -13,8 +14,8 @@ from cluster.cli import main
 import torch
 
 from engine.models import (ONEDNN_MIN_WEIGHTS, LoadedModel, ModelSpec, OneDNNLinear, PackedOneDNNLinear,
-                           check_architecture, check_same_vocabulary, cpu_has_bf16, onednn_linears, quantize_int8,
-                           use_onednn)
+                           check_architecture, check_same_vocabulary, checkpoint_mappings, cpu_has_bf16,
+                           drop_mapped_pages, onednn_linears, quantize_int8, use_onednn)
 from tests.tiny_models import tiny_model
 
 
@@ -244,6 +245,39 @@ def test_packing_releases_the_checkpoint_mapping(tmp_path):
     assert not mapped()
     with torch.inference_mode():
         torch.testing.assert_close(model(ids).logits, before, rtol=1e-4, atol=1e-4)
+
+
+def mapped_rss(path: str) -> int:
+    """Bytes of ``path``'s mappings resident in this process (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0]:  # a mapping's header line
+            inside = line.rstrip().endswith(path)
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_a_copied_weights_checkpoint_pages_leave_the_rss(tmp_path):
+    """Packing drops the checkpoint pages each weight was read from (the loading peak): exactly the
+    whole pages inside the weight leave the RSS, and the weight still reads the same values; a
+    tensor outside the checkpoint's map is left alone."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("qwen2", 64, layers=2).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    checkpoint, mappings = str(tmp_path / "model.safetensors"), checkpoint_mappings()
+    weight = model.model.layers[0].mlp.up_proj.weight.detach()
+    copied = weight.clone()  # reads every page of the weight
+    start = weight.data_ptr()
+    end = start + weight.numel() * weight.element_size()
+    whole = end // mmap.PAGESIZE * mmap.PAGESIZE - -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    assert whole >= mmap.PAGESIZE
+    resident = mapped_rss(checkpoint)
+    assert drop_mapped_pages(weight, mappings) == whole
+    assert resident - mapped_rss(checkpoint) == whole
+    assert torch.equal(weight, copied)  # read back from the file
+    assert drop_mapped_pages(copied, mappings) == 0
 
 
 def test_packed_linears_load_a_state_dict_and_leave_tied_weights_plain():
