@@ -9,11 +9,8 @@ in-process engine. Example::
 
 from __future__ import annotations
 
-import ctypes
-import gc
-import logging
-
-from engine.models import LoadedModel, ModelSpec, load_model, onednn_linears, quantize_int8, truncate_layers
+from engine.models import (LoadedModel, ModelSpec, load_model, onednn_linears, quantize_int8, return_freed_memory,
+                           truncate_layers)
 from engine.offload import OffloadSpec, load_offloaded
 from settings.config import EngineConfig, ModelConfig
 
@@ -46,18 +43,3 @@ def load_configured(config: EngineConfig, model: ModelConfig) -> LoadedModel:
         onednn_linears(loaded.model, packed=kernels == "onednn_packed")
     return_freed_memory()
     return loaded
-
-
-def return_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``).
-
-    Loading makes copies that are freed again (the int8 SSM: bf16 weights, their fp32 copy, the
-    quantized ones), but glibc keeps freed memory in its arenas, so without this an actor's RSS
-    stays at its loading peak: the int8 0.5B SSM held 4.5 GB after loading, 1.6 GB after the trim
-    (BENCHMARKS.md "Memory per actor"). A no-op where glibc is missing.
-    """
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        logging.getLogger(__name__).debug("malloc_trim unavailable: freed loading memory stays with the process")

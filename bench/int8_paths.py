@@ -81,7 +81,7 @@ def run_path(model_dir: str, path: str, threads: int, prefix: int, repeats: int)
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from actors.common import process_memory
-    from actors.loading import return_freed_memory
+    from engine.models import return_freed_memory
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import gc
+import itertools
 import logging
 import mmap
 from dataclasses import dataclass
@@ -178,8 +180,8 @@ def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
     the output exact whatever the SSM proposes. Sibling projections of one input (q/k/v, gate/up)
     then share one int8 product (``engine.fused_int8``), with the same outputs.
 
-    The int8 linears compute in float32, so the model is made float32 first, in place (the default
-    deep-copies the float model: one more full copy at the loading peak). The input embeddings stay
+    The int8 linears compute in float32, so the model is made float32 first, in place and one
+    decoder layer at a time (``_quantize_linears``), so that no full float32 copy exists at once. The input embeddings stay
     in the dtype they were loaded in, widened per lookup: the table is the largest weight left in
     float (0.5B Qwen: 136M of its parameters), and widening bf16 values to float32 is exact, so
     the logits are the same as with a float32 table.
@@ -187,14 +189,47 @@ def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
     if model.device.type != "cpu":
         raise ValueError("int8 dynamic quantization runs on CPU only; use a bf16 SSM on GPUs")
     loaded_dtype = model.dtype
-    model = model.float()
-    model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    mappings = checkpoint_mappings()
+    for stack in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
+        for block in stack:  # one decoder layer in float32 at a time, not the whole model
+            _quantize_linears(block, mappings)
+    _quantize_linears(model, mappings)  # the rest: the output head, the final norm
     fuse_int8_siblings(model)
     if loaded_dtype in (torch.bfloat16, torch.float16):
         embeddings = model.get_input_embeddings()
         embeddings.weight.data = embeddings.weight.data.to(loaded_dtype)
         embeddings.register_forward_hook(lambda module, args, output: output.float())
     return model
+
+
+def _quantize_linears(module: torch.nn.Module, mappings: list[tuple[int, int]]) -> None:
+    """Make ``module`` float32 and its ``nn.Linear`` layers dynamic int8, in place (each one as
+    ``quantize_dynamic`` of the whole model would), dropping the checkpoint pages of the weights it
+    converted (``drop_mapped_pages``). Done block by block, the float32 copy never holds the whole
+    model: the default 0.5B SSM's loading peak was 4.2 GB for 1.8 GB held."""
+    sources = [t.data for t in itertools.chain(module.parameters(), module.buffers())
+               if t.is_floating_point() and t.dtype != torch.float32]
+    module.float()
+    for source in sources:  # converted: the module holds float32 copies now
+        drop_mapped_pages(source, mappings)
+    torch.ao.quantization.quantize_dynamic(module, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    return_freed_memory()
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``).
+
+    Loading makes copies that are freed again (the int8 SSM: its float32 layers, the unpacked
+    int8 weights), but glibc keeps freed memory in its arenas, and reuses it poorly for the next
+    copies, so without this a process's RSS stays at its loading peak: the int8 0.5B SSM held 4.5 GB
+    after loading, 1.6 GB after the trim (BENCHMARKS.md "Memory per actor"). A no-op where glibc
+    is missing.
+    """
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        logger.debug("malloc_trim unavailable: freed loading memory stays with the process")
 
 
 ONEDNN_MIN_WEIGHTS = 1 << 20  # smaller linear layers stay with torch's path (oneDNN's per-call cost)
