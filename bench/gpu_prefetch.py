@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -118,6 +119,39 @@ def build_model(config: dict, device: str, dtype: torch.dtype, successor: torch.
     return model
 
 
+class PlantedPair(NamedTuple):
+    """A target and an SSM of one ``SHAPES`` entry with planted rules (``build_pair``). A named
+    tuple, not a dataclass: the tests load this script by path, outside ``sys.modules``."""
+
+    target: torch.nn.Module
+    ssm: torch.nn.Module
+    target_rule: torch.Tensor  # [V]: the target's greedy successor of each token
+    dtype: torch.dtype
+    vocab_size: int
+
+
+def add_pair_arguments(parser: argparse.ArgumentParser, tokens: int) -> None:
+    """The options of the planted pair and its requests, shared by the GPU bench scripts."""
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b+0.5b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=tokens)
+    parser.add_argument("--agreement", type=float, default=0.9,
+                        help="share of tokens where the SSM's rule is the target's (sets acceptance)")
+    parser.add_argument("--expansion", default="2,1,1,1,1,1,1", help="the tree's schedule (the default config's)")
+
+
+def build_pair(args: argparse.Namespace, seed: int) -> PlantedPair:
+    """The ``--shape`` pair on ``--device`` in ``--dtype``, its rules agreeing on ``--agreement``."""
+    target_config, ssm_config = SHAPES[args.shape]
+    dtype = getattr(torch, args.dtype)
+    target_rule, ssm_rule = rules(target_config["vocab_size"], args.agreement, seed)
+    return PlantedPair(build_model(target_config, args.device, dtype, target_rule, seed + 1),
+                       build_model(ssm_config, args.device, dtype, ssm_rule, seed + 2),
+                       target_rule, dtype, target_config["vocab_size"])
+
+
 def graphed_engine(target, ssm, capacity: int) -> SpeculativeEngine:
     """The in-process engine over CUDA graphs (``engine.graphs``; eager on the CPU), one SSM."""
     return SpeculativeEngine(GraphedTarget(GraphRunner(target, capacity)),
@@ -192,15 +226,8 @@ def print_table(table: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b+0.5b")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    add_pair_arguments(parser, tokens=128)
     parser.add_argument("--prompts", type=int, default=20)
-    parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--agreement", type=float, default=0.9,
-                        help="share of tokens where the SSM's rule is the target's (sets acceptance)")
-    parser.add_argument("--expansion", default="2,1,1,1,1,1,1", help="the tree's schedule (the default config's)")
     parser.add_argument("--prefetch", type=int, default=2, help="outcomes drafted ahead per step")
     parser.add_argument("--methods", default=",".join(METHODS).replace(", ", "/"),
                         help="which methods, comma-separated, with '/' for ', ' (default: all)")
@@ -211,11 +238,8 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(methods) - set(METHODS)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}; known: {list(METHODS)}")
-    target_config, ssm_config = SHAPES[args.shape]
-    dtype = getattr(torch, args.dtype)
-    target_rule, ssm_rule = rules(target_config["vocab_size"], args.agreement, args.seed)
-    target = build_model(target_config, args.device, dtype, target_rule, args.seed + 1)
-    ssm = build_model(ssm_config, args.device, dtype, ssm_rule, args.seed + 2)
+    pair = build_pair(args, args.seed)
+    target, ssm, target_rule = pair.target, pair.ssm, pair.target_rule
     engines = {method: SpeculativeEngine(TargetModel(target), [ModelDrafter(ssm, 0, "ssm")], IdTokenizer(), set())
                for method in methods if method in EAGER}
     began = time.perf_counter()
@@ -225,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
     capture_s = time.perf_counter() - began
     expansion = tuple(int(k) for k in args.expansion.split(","))
     generator = torch.Generator().manual_seed(args.seed + 3)
-    prompts = [torch.randint(0, target_config["vocab_size"], (args.prompt_tokens,), generator=generator).tolist()
+    prompts = [torch.randint(0, pair.vocab_size, (args.prompt_tokens,), generator=generator).tolist()
                for _ in range(args.prompts)]
     for method in methods:  # warm-up: kernels, allocator, the prefetch thread
         run_one(engines[method], method, prompts[0][:16], 8, expansion, args.prefetch, args.device)

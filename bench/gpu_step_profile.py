@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_common import IdTokenizer, synchronize  # noqa: E402
-from bench.gpu_prefetch import SHAPES, build_model, buffer_slots, graphed_engine, options, rules  # noqa: E402
+from bench.gpu_prefetch import add_pair_arguments, buffer_slots, build_pair, graphed_engine, options  # noqa: E402
 from engine import draft as draft_module  # noqa: E402
 from engine import generate as generate_module  # noqa: E402
 from engine import step as step_module  # noqa: E402
@@ -179,26 +179,17 @@ def instrument(engine: SpeculativeEngine, device: str) -> Timings:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b+0.5b")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--expansion", default="2,1,1,1,1,1,1")
-    parser.add_argument("--agreement", type=float, default=0.9)
+    add_pair_arguments(parser, tokens=64)
     parser.add_argument("--graphs", action="store_true", help="profile the engine over CUDA graphs (engine.graphs)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    target_config, ssm_config = SHAPES[args.shape]
-    dtype = getattr(torch, args.dtype)
-    target_rule, ssm_rule = rules(target_config["vocab_size"], args.agreement, 0)
-    target = build_model(target_config, args.device, dtype, target_rule, 1)
-    ssm = build_model(ssm_config, args.device, dtype, ssm_rule, 2)
+    pair = build_pair(args, 0)
+    target, ssm, dtype = pair.target, pair.ssm, pair.dtype
     if args.graphs:
         engine = graphed_engine(target, ssm, buffer_slots(args.prompt_tokens, args.tokens))
     else:
         engine = SpeculativeEngine(TargetModel(target), [ModelDrafter(ssm, 0, "ssm")], IdTokenizer(), set())
-    prompt = torch.randint(0, target_config["vocab_size"], (args.prompt_tokens,),
+    prompt = torch.randint(0, pair.vocab_size, (args.prompt_tokens,),
                            generator=torch.Generator().manual_seed(3)).tolist()
     expansion = tuple(int(k) for k in args.expansion.split(","))
     request = GenerationRequest(tuple(prompt), args.tokens, speculation=options("tree", expansion, 0))
@@ -216,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
         result[f"{name} run"] = {"ms": (time.perf_counter() - began) * 1e3, "steps": s.target_steps - 1,
                                  "draft_ms": s.draft_ms, "verify_ms": s.verify_ms, "tokens": s.new_tokens}
         print(name, result[f"{name} run"], flush=True)
-    result["vocabulary"] = vocabulary_work(args.device, target_config["vocab_size"])
+    result["vocabulary"] = vocabulary_work(args.device, pair.vocab_size)
     if not args.graphs:
         result["ssm micro"] = micro(ssm, args.device, dtype, args.prompt_tokens, (1, 2))
         result["target micro"] = micro(target, args.device, dtype, args.prompt_tokens, (1, 15))
