@@ -1,9 +1,9 @@
-"""Which of a replica's actors are alive: failures seen by calls, cheap ``ready`` probes, health.
+"""Which of a replica's actors are alive: failures seen by calls, cheap ``ping`` probes, health.
 
 Ray restarts a killed actor (``max_restarts`` -1), but a call sent while it restarts waits for the
 restart (a model load). So a role whose call failed with an actor error is marked down, its
 callers go around it (``actors.backend``: a proposer is left out of the step, the merge falls back
-to the root-only tree, the verifier fails fast), and it is probed with ``ready`` (at most every
+to the root-only tree, the verifier fails fast), and it is probed with ``ping`` (at most every
 ``retry_interval_s``, ``probe_timeout_s`` each) until it answers: then it is used again.
 
 Health (``report``) probes every actor at most once per ``cache_s`` and is bad while any actor
@@ -116,9 +116,9 @@ class Liveness:
         return report
 
     async def _probe(self, role: str) -> bool:
-        """``ready`` within the timeout; an answer clears a down mark (and records the recovery)."""
+        """``ping`` within the timeout; an answer clears a down mark (and records the recovery)."""
         try:
-            await asyncio.wait_for(asyncio.ensure_future(self.handles[role].ready.remote()), self.probe_timeout_s)
+            await asyncio.wait_for(asyncio.ensure_future(self.handles[role].ping.remote()), self.probe_timeout_s)
         except (asyncio.TimeoutError, RayActorError):
             return False
         since = self._down.pop(role, None)

@@ -745,3 +745,40 @@ def test_linears_ab_summary_compares_the_two_settings_prompt_by_prompt():
                                "onednn_tokens_per_step": 2.0, "auto_tokens_per_step": 1.0,
                                "ratio_median": 1.2, "auto_faster_prompts": 2, "same_output": 2}
     assert summary["incremental"]["ratio_median"] == 1.25 and summary["incremental"]["auto_faster_prompts"] == 1
+
+
+@pytest.mark.parametrize("text,loads", [("1:0.05", [(1.0, 0.05)]), ("1:0.05,100:5", [(1.0, 0.05), (100.0, 5.0)]),
+                                        ("", []), ("2:2", None), ("0:1", None), ("5:0", None), ("5", None)])
+def test_background_loads_parse_period_and_busy_ms(text, loads):
+    from bench.background_load import parse_loads
+
+    if loads is None:
+        with pytest.raises(ValueError, match="PERIOD:BUSY"):
+            parse_loads(text)
+    else:
+        assert parse_loads(text) == loads
+
+
+def test_background_load_measures_each_level_and_stops_its_spinners(bench_config, tmp_path, monkeypatch):
+    """``bench/background_load.py`` on the tiny target: the curve alone, beside each load, alone again;
+    every spin loop it started has exited when it returns."""
+    import subprocess
+
+    from bench import background_load
+
+    started = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(background_load.subprocess, "Popen", Recorded)
+    out = tmp_path / "background.json"
+    result = background_load.main(["--config", str(bench_config), "--max-tokens", "2", "--processes", "2",
+                                   "--loads", "5:1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert [(r["period_ms"], r["busy_ms"]) for r in result["runs"]] == [(None, None), (5.0, 1.0), (None, None)]
+    assert all(set(r["curve_ms"]) == {1, 2} and min(r["curve_ms"].values()) > 0 for r in result["runs"])
+    assert result["runs"][1]["background_cores"] == pytest.approx(2 * 1 / 6, abs=1e-3)
+    assert len(started) == 2 and all(p.poll() is not None for p in started)

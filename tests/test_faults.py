@@ -102,27 +102,28 @@ def expected(local_engine, tiny_args):  # noqa: F811
 
 
 class FakeActor:
-    """An actor handle whose ``ready`` answers, hangs (restarting) or fails (dead) on demand."""
+    """An actor handle whose ``ping`` answers, hangs (restarting) or fails (dead) on demand (it has no
+    ``ready``: probes must not fetch what ``ready`` returns, the verifier's tokenizer)."""
 
     def __init__(self, actor_id: str):
         self.state, outer = "up", self
-        self.contexts: list[contextvars.Context] = []  # the context each ``ready`` call was sent from
+        self.contexts: list[contextvars.Context] = []  # the context each ``ping`` call was sent from
 
         class _Id:
             def hex(self):
                 return actor_id
 
-        class _Ready:
+        class _Ping:
             def remote(self):
                 outer.contexts.append(contextvars.copy_context())
 
                 async def answer():
                     if outer.state == "restarting":
                         await asyncio.sleep(3600)
-                    return "ok"
+                    return None
                 return answer()
 
-        self._actor_id, self.ready = _Id(), _Ready()
+        self._actor_id, self.ping = _Id(), _Ping()
 
 
 async def until(condition, timeout_s: float = 30.0) -> None:
