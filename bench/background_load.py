@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> dict:
     runs = []
     for load in levels:
         curve = curve_beside(target, args.max_tokens, args.processes, load)
-        share = 0.0 if load is None else args.processes * load[1] / (load[0] + load[1])
-        runs.append({"period_ms": load and load[0], "busy_ms": load and load[1],
-                     "background_cores": round(share, 3), "curve_ms": curve})
+        period, busy = load or (None, None)
+        share = 0.0 if load is None else args.processes * busy / (period + busy)  # cores the spinners use
+        runs.append({"period_ms": period, "busy_ms": busy, "background_cores": round(share, 3), "curve_ms": curve})
         print(f"background {load or 'none'} x {args.processes if load else 0}: "
               f"{ {k: round(v, 1) for k, v in curve.items()} }", flush=True)
     result = {"config": args.config, "dtype": config.dtype, "torch_threads": config.torch_threads,
