@@ -29,6 +29,7 @@ import torch
 from settings.config import EngineConfig
 from engine.kv_pool import BlockPool
 from engine.packed import ForwardItem, pack, per_item
+from engine.target import ForwardsAlone
 from engine.tree import TokenTree
 
 from .rank_group import RankGroup, RanksFailed
@@ -44,7 +45,7 @@ class RemoteTargetState:
     dropper: weakref.finalize | None = None  # drops the ranks' shards once, on release or collection
 
 
-class TensorParallelTarget:
+class TensorParallelTarget(ForwardsAlone):
     """The target over ``tensor_parallel_size`` rank actors, one request per forward.
 
     ``model``: the target's ModelHeader (its configs; the weights live in the ranks).

@@ -14,8 +14,10 @@ from actors.loading import load_configured
 from actors.suffix import SuffixDrafter
 from actors.targets import load_target
 from engine.draft import ModelDrafter
-from engine.budget import measure_target_curve
+from engine.budget import budget_from_curve, measure_target_curve
 from engine.generate import SpeculativeEngine
+from engine.loop import LoopLimits
+from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 from engine.graphed_models import GraphedDrafter, GraphedTarget
 from engine.graphs import GraphRunner
 from engine.target import TargetModel
@@ -62,35 +64,78 @@ def forget_responses(engine: SpeculativeEngine) -> None:
             drafter.forget_responses()
 
 
-def build_engine(config: EngineConfig) -> SpeculativeEngine:
+def build_engine(config: EngineConfig, batched: bool = False) -> SpeculativeEngine:
     """Load the target and every SSM, check one vocabulary, and assemble the in-process engine.
 
-    A tensor-parallel target runs its ranks as Ray actors: a local Ray node is started (or
-    ``RAY_ADDRESS`` joined) unless Ray is already initialised.
+    ``batched``: the target and SSMs over paged KV pools (``server.batching``: pool size, block size,
+    prefill chunk), so the engine loop runs every running request's trees in one packed forward, up
+    to ``server.max_concurrent_requests`` at once, with the tree budget of ``server.tree_budget``;
+    otherwise each model's forwards run one request at a time. A tensor-parallel target runs its
+    ranks as Ray actors: a local Ray node is started (or ``RAY_ADDRESS`` joined) unless Ray is
+    already initialised.
     """
     set_threads(config.torch_threads)
     if config.verifier.tensor_parallel_size > 1:
         _ensure_ray()
     target_model, target = load_target(config)
-    graphs = graph_capacity(config, target_model)
+    graphs = 0 if batched else graph_capacity(config, target_model)
     if graphs:
         target_model = GraphedTarget(GraphRunner(target_model.model, graphs))
+    elif batched:
+        target_model = _paged_target(config, target_model)
     drafters: list = []
     for index, ssm_config in enumerate(config.ssms):
         ssm = load_configured(config, ssm_config)
         check_same_vocabulary(target, ssm)
-        drafters.append(GraphedDrafter(GraphRunner(ssm.model, graphs), index, ssm_config.name) if graphs
-                        else ModelDrafter(ssm.model, index, ssm_config.name))
+        drafters.append(_drafter(config, ssm.model, index, ssm_config.name, graphs, batched))
     if config.suffix:
         drafters.append(SuffixDrafter(len(drafters), config.suffix))
     curve = None
-    if config.cost_aware_shapes:
+    if config.cost_aware_shapes or (batched and config.tree_budget_applies):
         curve = measure_target_curve(target_model, config.speculation.cost.curve_max_tokens, float("inf"))
-        logger.info("verify-cost curve for cost-aware trees (tokens per pass -> ms): %s",
-                    {size: round(ms, 1) for size, ms in curve.items()})
+        logger.info("verify-cost curve (tokens per pass -> ms): %s", {size: round(ms, 1) for size, ms in curve.items()})
     return SpeculativeEngine(target_model, drafters, target.tokenizer, eos_token_ids(target),
                              max_context=_graph_context(config, target_model) if graphs else None,
-                             cost=tree_cost(config, curve))
+                             cost=tree_cost(config, curve), limits=_limits(config, batched),
+                             tree_budget=_tree_budget(config, curve) if batched else None)
+
+
+def _paged_target(config: EngineConfig, target_model: TargetModel) -> PagedTarget:
+    """The target over a pool of ``server.batching.kv_cache_tokens`` slots (one model, one process)."""
+    if not isinstance(target_model, TargetModel):
+        raise ValueError("a batched in-process engine needs the one-rank target (verifier.tensor_parallel_size: 1)")
+    b = config.server.batching
+    pool, batcher = paged_parts(target_model.model, b.kv_cache_tokens, b.block_size)
+    return PagedTarget(target_model.model, pool, batcher)
+
+
+def _drafter(config: EngineConfig, model, index: int, name: str, graphs: int, batched: bool):
+    """An SSM's drafter: over a CUDA-graph buffer, over a paged pool (batched: a 25% larger pool, as
+    the served SSM actors have), or over a DynamicCache per request."""
+    if graphs:
+        return GraphedDrafter(GraphRunner(model, graphs), index, name)
+    if not batched:
+        return ModelDrafter(model, index, name)
+    b = config.server.batching
+    pool, batcher = paged_parts(model, int(b.kv_cache_tokens * 1.25), b.block_size, chunk_tokens=b.prefill_chunk_tokens)
+    return PagedDrafter(model, index, name, pool, batcher)
+
+
+def _limits(config: EngineConfig, batched: bool) -> LoopLimits | None:
+    """The loop's batch and queue: ``server.max_concurrent_requests`` running and 4x that waiting,
+    prompts in ``server.batching.prefill_chunk_tokens`` chunks (None: the engine's defaults)."""
+    if not batched:
+        return None
+    limit = config.server.max_concurrent_requests
+    return LoopLimits(limit, 4 * limit, config.server.batching.prefill_chunk_tokens)
+
+
+def _tree_budget(config: EngineConfig, curve: dict[int, float] | None):
+    """Nodes per tree with R running requests (``server.tree_budget``), None where it does not apply."""
+    if not curve or not config.tree_budget_applies:
+        return None
+    b = config.server.tree_budget
+    return budget_from_curve(curve, b.slack, b.min_tree_nodes, b.disable_above_running).per_request
 
 
 def _graph_context(config: EngineConfig, target_model: GraphedTarget) -> int:

@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from . import kv
+from .programs import Program, alone, run_alone
 from .sampling import SamplingParams, warp
 from .shape import ShapeHistory, TreeCost, best_size, frontier_to_expand
 from .timing import moving_average
@@ -300,9 +301,16 @@ class ModelDrafter:
         exactly the committed tokens: the drafted levels are cropped away, and their entries put
         aside (``DraftedLevels``) for the next draft, which feeds only the tokens they lack.
         """
+        return run_alone(self.draft_program(cache, committed, spec, generator))
+
+    @torch.inference_mode()
+    def draft_program(self, cache, committed: list[int], spec: DraftSpec, generator: torch.Generator) -> Program:
+        """``draft`` as a forward program (``engine.programs``) returning the Proposal: it yields one
+        forward for the committed tokens the cache lacks, then one per tree level, so that a loop can
+        run every request's level in one packed forward (``engine.loop``)."""
         if spec.cost_aware:
-            return self._draft_by_cost(cache, committed, spec)
-        logits = self._extend(cache, committed)[0][None]  # [F, V], F = 1 at the root
+            return (yield from self._draft_by_cost(cache, committed, spec))
+        logits = (yield from self._extend_program(cache, committed))[0][None]  # [F, V], F = 1 at the root
         builder = TreeBuilder(root=committed[-1], proposer=self.proposer)
         frontier, cached, confidence = [0], [], {0: 1.0}
         for depth, width in enumerate(spec.schedule, start=1):
@@ -316,12 +324,12 @@ class ModelDrafter:
             frontier = [n for n in range(first, len(builder.tokens)) if confidence[n] >= spec.min_confidence]
             if depth == len(spec.schedule) or not frontier:
                 break
-            logits = self._forward_level(cache, builder, frontier, cached, depth, len(committed))
+            logits = yield from self._level_program(cache, builder, frontier, cached, depth, len(committed))
             cached += frontier
         self._put_levels_aside(cache, committed, builder, cached)
         return builder.build()
 
-    def _draft_by_cost(self, cache, committed: list[int], spec: DraftSpec) -> Proposal:
+    def _draft_by_cost(self, cache, committed: list[int], spec: DraftSpec) -> Program:
         """Cost-aware growth (``engine.shape``): each level, as many of the ``beam`` most probable
         nodes as are expected to pay get their ``branch`` most likely children, while one more level
         is expected to pay; the nodes that maximise expected tokens per ms are kept."""
@@ -329,7 +337,7 @@ class ModelDrafter:
         history = self.shape_history(cache)
         stepping = history.last is not None  # not the request's first draft, which feeds its whole prompt
         history.observe(committed)
-        root_logits, fed = self._extend(cache, committed)
+        root_logits, fed = yield from self._extend_program(cache, committed)
         logits = root_logits[None]  # [F, V], F = 1 at the root
         if stepping:  # the accepted tokens: a forward of a few tokens, like a level's, keeps the estimate fresh
             self._time_forward(began, fed)
@@ -347,7 +355,7 @@ class ModelDrafter:
                 break
             frontier = frontier[:count]
             level_began = self.clock()
-            logits = self._forward_level(cache, builder, frontier, cached, depth, len(committed))
+            logits = yield from self._level_program(cache, builder, frontier, cached, depth, len(committed))
             self._time_forward(level_began, count)
             cached += frontier
         self._put_levels_aside(cache, committed, builder, cached)
@@ -426,6 +434,15 @@ class ModelDrafter:
         start = min(length, len(committed) - 1)
         kv.crop(cache, start)
         return start
+
+    def _extend_program(self, cache, committed: list[int]) -> Program:  # -> ([V], fed)
+        """``_extend`` as a program: one forward, run by itself (a packed drafter yields its item)."""
+        return (yield alone(lambda: self._extend(cache, committed)))
+
+    def _level_program(self, cache, builder: TreeBuilder, level: list[int], cached: list[int], depth: int,
+                       committed_length: int) -> Program:  # -> [F, V]
+        """``_forward_level`` as a program: one forward, run by itself (a packed drafter yields its item)."""
+        return (yield alone(lambda: self._forward_level(cache, builder, level, cached, depth, committed_length)))
 
     def _extend(self, cache: DynamicCache, committed: list[int]) -> tuple[torch.Tensor, int]:  # -> [V], fed
         """Feed the committed tokens the cache lacks (at least the root): the logits after the root,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .draft import ModelDrafter
+from .graphed_models import GraphedTarget
+from .loop import EngineLoop, LoopLimits
 from .prefetch import Ahead
 from .requests import GenerationRequest, GenerationResult, StepOutcome, StepUpdate
 from .step import (TARGET_STREAM, Assignment, Drafted, Session, draft_with, first_token, iterate_sync,
@@ -72,10 +74,14 @@ class SpeculativeEngine:
     """In-process engine: one target and any number of proposers (SSMs, the suffix proposer), in proposer order.
 
     ``cost``: the cost model of cost-aware tree shapes (``engine.shape``; ``cluster.build`` measures
-    the target's verify-cost curve for it), None for the schedule's shapes."""
+    the target's verify-cost curve for it), None for the schedule's shapes. Requests run on one
+    ``EngineLoop`` (``limits``: its batch and queue; a CUDA-graph target's one buffer holds one
+    request at a time), except those that draft ahead (``SpeculationOptions.prefetch``), which still
+    run a session of their own."""
 
     def __init__(self, target: Target, drafters: Sequence[object], tokenizer, eos_ids,
-                 max_context: int | None = None, cost: TreeCost | None = None):
+                 max_context: int | None = None, cost: TreeCost | None = None, limits: LoopLimits | None = None,
+                 tree_budget: Callable[[int], int | None] | None = None):
         self.target, self.drafters, self.tokenizer = target, list(drafters), tokenizer
         self.cost = cost  # the cost model of cost-aware tree shapes (engine.shape); None: schedules
         self.eos_ids = frozenset(eos_ids)
@@ -84,6 +90,9 @@ class SpeculativeEngine:
         self.max_context = max_context or getattr(target.model.config, "max_position_embeddings", None)
         # drafting ahead (SpeculationOptions.prefetch): a thread per proposer, made on first use
         self.pool = ThreadPoolExecutor(max(1, len(self.drafters)), thread_name_prefix="prefetch")
+        if limits is None:
+            limits = LoopLimits(max_running=1) if isinstance(target, GraphedTarget) else LoopLimits()
+        self.loop = EngineLoop(target, self.drafters, tokenizer, self.eos_ids, limits, cost, tree_budget)
 
     def check_request(self, request: GenerationRequest) -> None:
         if not request.prompt_ids:
@@ -106,6 +115,9 @@ class SpeculativeEngine:
     def stream(self, request: GenerationRequest) -> Iterator[StepUpdate]:
         """Yield one StepUpdate per target step; the last one carries the finish reason."""
         self.check_request(request)
+        if not request.speculation.prefetch:
+            yield from self.loop.stream(request)
+            return
         session = Session(LocalBackend(self, request), request, self.names, self.neural, self.tokenizer,
                           self.eos_ids, cost=self.cost)
         try:

@@ -11,6 +11,7 @@ import torch
 
 from .draft import ModelDrafter, TreeBuilder, level_visibility
 from .graphs import GraphRunner, StaticSequence
+from .target import ForwardsAlone
 from .tree import TokenTree, ancestor_mask, positions
 
 
@@ -19,7 +20,7 @@ def chain(n: int) -> torch.Tensor:  # -> [n, n] bool
     return torch.ones(n, n, dtype=torch.bool).tril()
 
 
-class GraphedTarget:
+class GraphedTarget(ForwardsAlone):
     """The target (``engine.target.Target``) over a GraphRunner's buffer."""
 
     def __init__(self, runner: GraphRunner):

@@ -17,6 +17,7 @@ from .batcher import BatchWaits, ForwardBatcher
 from .draft import DraftSpec, ModelDrafter, Proposal, TreeBuilder, level_visibility
 from .kv_pool import BlockPool, PagedSequence, SavedEntries
 from .packed import ForwardItem, PackedModel, PagedModel, PromptChunk, chain_item
+from .programs import Forward, Program, drive
 from .timing import median_ms
 from .tree import TokenTree, ancestor_mask, positions
 
@@ -27,6 +28,7 @@ class PagedTarget:
 
     def __init__(self, model, pool: BlockPool, batcher: ForwardBatcher):
         self.model, self.pool, self.batcher = model, pool, batcher
+        self.packed = batcher.model  # what runs a batch of items (engine.loop hands it every request's)
 
     def new_state(self, reserve_tokens: int = 0) -> PagedSequence:
         return PagedSequence(self.pool, reserve_tokens)
@@ -35,9 +37,16 @@ class PagedTarget:
         return feed(self.batcher, state, list(prompt_ids), prompt=True)
 
     def forward_tree(self, state: PagedSequence, tree: TokenTree) -> torch.Tensor:  # -> [N, V]
-        item = ForwardItem(state, tree.tokens, positions(tree.parents, state.length), ancestor_mask(tree.parents),
-                           torch.arange(tree.size))
-        return self.batcher.submit(item)
+        return self.batcher.submit(tree_item(state, tree))
+
+    def prefill_program(self, state: PagedSequence, prompt_ids: list[int], chunk_tokens: int | None = None) -> Program:
+        """``prefill`` as a program (``engine.programs``): one packed forward per chunk of at most
+        ``chunk_tokens`` prompt tokens (None: the whole prompt in one). Returns the logits [V]."""
+        return feed_program(self.packed, state, list(prompt_ids), chunk_tokens)
+
+    def tree_program(self, state: PagedSequence, tree: TokenTree) -> Program:  # -> [N, V]
+        """``forward_tree`` as a program: the tree as one item of a packed target pass."""
+        return (yield Forward(self.packed, tree_item(state, tree)))
 
     def commit(self, state: PagedSequence, prefix_length: int, path: tuple[int, ...]) -> None:
         assert prefix_length == state.length, "commit must follow forward_tree on the same state"
@@ -60,6 +69,7 @@ class PagedDrafter(ModelDrafter):
     def __init__(self, model, proposer: int, name: str, pool: BlockPool, batcher: ForwardBatcher):
         super().__init__(model, proposer, name)
         self.pool, self.batcher = pool, batcher
+        self.packed = batcher.model  # what runs a batch of items (engine.loop hands it every request's)
 
     def new_state(self, reserve_tokens: int = 0) -> PagedSequence:
         return PagedSequence(self.pool, reserve_tokens)
@@ -68,24 +78,29 @@ class PagedDrafter(ModelDrafter):
         super().release(state)
         state.release()
 
+    @torch.inference_mode()
     def draft(self, state: PagedSequence, committed: list[int], spec: DraftSpec,
               generator: torch.Generator) -> Proposal:
+        """One request's draft on this thread, its forwards gathered with other threads' by the batcher."""
         with self.batcher.participant():  # batches wait for this request's next level
-            return super().draft(state, committed, spec, generator)
+            program = self.draft_program(state, committed, spec, generator)
+            return drive(program, lambda forward: self.batcher.submit(forward.item))
 
-    def _extend(self, state: PagedSequence, committed: list[int]) -> tuple[torch.Tensor, int]:  # -> [V], fed
+    def _extend_program(self, state: PagedSequence, committed: list[int]) -> Program:  # -> ([V], fed)
         state.truncate(min(state.length, len(committed) - 1))
         # the request's first draft feeds its prompt; later ones the few tokens the last step accepted
         tokens = committed[state.length:]
-        return feed(self.batcher, state, tokens, prompt=state.length == 0), len(tokens)
+        began = self.batcher.clock() if self.batcher.chunk_tokens and state.length == 0 else None
+        logits = yield from feed_program(self.packed, state, tokens, self.batcher.chunk_tokens, began)
+        return logits, len(tokens)
 
-    def _forward_level(self, state: PagedSequence, builder: TreeBuilder, level: list[int], cached: list[int],
-                       depth: int, committed_length: int) -> torch.Tensor:  # -> [F, V]
+    def _level_program(self, state: PagedSequence, builder: TreeBuilder, level: list[int], cached: list[int],
+                       depth: int, committed_length: int) -> Program:  # -> [F, V]
         visible = level_visibility(builder, level, cached)  # [F, K]
         tokens = torch.tensor([builder.tokens[n] for n in level], dtype=torch.long)
         item = ForwardItem(state, tokens, torch.full_like(tokens, committed_length - 1 + depth), visible,
                            torch.arange(len(level)))
-        return self.batcher.submit(item).cpu()
+        return (yield Forward(self.packed, item)).cpu()
 
     def rollback(self, state: PagedSequence, length: int) -> None:
         state.truncate(length)
@@ -122,15 +137,32 @@ def feed(batcher: ForwardBatcher, state: PagedSequence, tokens: list[int],
     are prefilled a chunk budget at a time, the shortest first, not all in one forward that delays
     every first token. Example: 10 tokens, chunks of 4 -> forwards of 4, 4 and 2 tokens.
     """
+    since = batcher.clock() if batcher.chunk_tokens and prompt else None
+    program = feed_program(batcher.model, state, tokens, batcher.chunk_tokens, since)
+    return drive(program, lambda forward: batcher.submit(forward.item))
+
+
+def feed_program(runner: PackedModel, state: PagedSequence, tokens: list[int], chunk_tokens: int | None = None,
+                 began: float | None = None) -> Program:  # -> [V]
+    """``feed`` as a program: one forward per chunk of at most ``chunk_tokens`` tokens (None: one for
+    all), each chunk committed before the next is yielded. With ``began`` (the moment the prompt
+    began feeding) each chunk is marked as a prompt chunk (``PromptChunk``). Returns the logits [V]
+    after the last token."""
     if not tokens:
         raise ValueError("feed needs at least one token (the root)")
-    size, since = batcher.chunk_tokens or len(tokens), batcher.clock() if batcher.chunk_tokens and prompt else None
+    size = chunk_tokens or len(tokens)
     for start in range(0, len(tokens), size):
         chunk = tokens[start:start + size]
-        marked = None if since is None else PromptChunk(since, len(tokens) - start)
-        logits = batcher.submit(chain_item(state, chunk, prompt=marked))  # [1, V]
+        marked = None if began is None else PromptChunk(began, len(tokens) - start)
+        logits = yield Forward(runner, chain_item(state, chunk, prompt=marked))  # [1, V]
         state.keep(list(range(len(chunk))))
     return logits[0].cpu()
+
+
+def tree_item(state: PagedSequence, tree: TokenTree) -> ForwardItem:
+    """A tree after the sequence's committed tokens: positions prefix + depth, the ancestor mask."""
+    return ForwardItem(state, tree.tokens, positions(tree.parents, state.length), ancestor_mask(tree.parents),
+                       torch.arange(tree.size))
 
 
 def paged_parts(model, tokens: int, block_size: int = 16, waits: BatchWaits = BatchWaits(), expected=None,

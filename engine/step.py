@@ -27,6 +27,7 @@ import torch
 
 from .draft import DraftSpec, Draws, Proposal
 from .merge import merge
+from .programs import Program
 from .requests import (HOPS, GenerationRequest, GenerationStats, SpeculationOptions, StepOutcome, StepUpdate)
 from .sampling import SamplingParams, make_generator, warp
 from .budget import RunningLoad
@@ -164,9 +165,24 @@ def first_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch
 def verify_and_commit(target: Target, state: TargetStateLike, drafted: Drafted, sampling: SamplingParams,
                       generator: torch.Generator) -> StepOutcome:
     """One target forward over the tree, verification, and commit of the accepted path."""
-    began = time.perf_counter()
-    proposal, prefix = drafted.proposal, state.length
-    logits = target.forward_tree(state, proposal.tree)  # [N, V]
+    began, prefix = time.perf_counter(), state.length
+    logits = target.forward_tree(state, drafted.proposal.tree)  # [N, V]
+    return settle(target, state, prefix, drafted, logits, sampling, generator, began)
+
+
+def verify_program(target: Target, state: TargetStateLike, drafted: Drafted, sampling: SamplingParams,
+                   generator: torch.Generator) -> Program:
+    """``verify_and_commit`` as a forward program (``engine.programs``): the tree is one item of the
+    target's packed pass (``engine.loop``); returns the StepOutcome."""
+    began, prefix = time.perf_counter(), state.length
+    logits = yield from target.tree_program(state, drafted.proposal.tree)  # [N, V]
+    return settle(target, state, prefix, drafted, logits, sampling, generator, began)
+
+
+def settle(target: Target, state: TargetStateLike, prefix: int, drafted: Drafted, logits: torch.Tensor,  # [N, V]
+           sampling: SamplingParams, generator: torch.Generator, began: float) -> StepOutcome:
+    """Verification of the tree against the target's logits, then commit of the accepted path."""
+    proposal = drafted.proposal
     if sampling.greedy:
         verdict = verify_greedy(proposal.tree, logits.argmax(dim=-1).cpu())
     else:
@@ -210,6 +226,14 @@ class Backend(Protocol):
 # -- The session. -----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's proposers (none: plain decoding) and whether a cost-aware shape is among them."""
+
+    assignments: tuple[Assignment, ...]
+    cost_aware: bool = False
+
+
 class Session:
     """One request: prefill, then draft -> merge -> verify -> commit until it ends.
 
@@ -221,7 +245,7 @@ class Session:
     which still bounds the other proposers' trees.
     """
 
-    def __init__(self, backend: Backend, request: GenerationRequest, names: Sequence[str], neural: Sequence[bool],
+    def __init__(self, backend: Backend | None, request: GenerationRequest, names: Sequence[str], neural: Sequence[bool],
                  tokenizer, eos_ids, tree_budget: Callable[[], int | None] = lambda: None,
                  cost: TreeCost | None = None, load: RunningLoad | None = None):
         self.backend, self.request, self.names, self.neural = backend, request, tuple(names), tuple(neural)
@@ -250,35 +274,55 @@ class Session:
         first = await self.backend.prefill(self.committed)
         if first is None:
             return self._cancelled()
-        self.stats.target_steps = 1
-        return self._emit([first])
+        return self.start(first)
 
     async def step(self) -> StepUpdate:
-        self._fit_to_budget()
         began = time.perf_counter()
-        plan = self._under_load()
-        cost_aware = any(a.spec.cost_aware for a in plan)
-        if cost_aware and (self._led(plan) or not self.backoff.drafts()):
-            plan, cost_aware = tuple(a for a in plan if not a.spec.cost_aware), False
-        if plan:
-            drafted = await self.backend.draft(self.committed, plan)  # draft + merge
+        plan = self.plan_step()
+        if plan.assignments:
+            drafted = await self.backend.draft(self.committed, plan.assignments)  # draft + merge
         else:
             drafted = Drafted(root_only_proposal(self.committed[-1]))
         outcome = await self.backend.verify(drafted)  # verify + commit
         if outcome is None:
             return self._cancelled()
-        record_step(self.stats, outcome, self.names, (time.perf_counter() - began) * 1e3)
-        if cost_aware:
+        return self.finish_step(plan, outcome, (time.perf_counter() - began) * 1e3)
+
+    def start(self, first: int) -> StepUpdate:
+        """The prefill's first token (target stream) emitted."""
+        self.stats.target_steps = 1
+        return self._emit([first])
+
+    def plan_step(self) -> "StepPlan":
+        """Who drafts this step, and how: the plan fitted to the tree budget and the load; the
+        cost-aware proposers left out while plain decoding pays more (``Backoff``) or the
+        model-free proposers carry the steps (``ModelFreeLead``). No assignments: plain decoding."""
+        self._fit_to_budget()
+        plan = self._under_load()
+        cost_aware = any(a.spec.cost_aware for a in plan)
+        if cost_aware and (self._led(plan) or not self.backoff.drafts()):
+            plan, cost_aware = tuple(a for a in plan if not a.spec.cost_aware), False
+        return StepPlan(plan, cost_aware)
+
+    def finish_step(self, plan: "StepPlan", outcome: StepOutcome, wall_ms: float) -> StepUpdate:
+        """Count a verified step (``plan_step``'s plan, its outcome, its wall time) and emit its tokens."""
+        record_step(self.stats, outcome, self.names, wall_ms)
+        if plan.cost_aware:
             self.backoff.record(outcome.draft_tokens)
         self.lead.record(outcome.accepted_by, self.model_free)
         if self.load is not None:
             self.load.record(self, outcome.draft_tokens + 1, len(outcome.tokens))
         return self._emit(list(outcome.tokens))
 
+    def cancelled(self) -> StepUpdate:
+        """The last update of a request dropped before it finished."""
+        return self._cancelled()
+
     def close(self) -> None:
         if self.load is not None:
             self.load.leave(self)
-        self.backend.release()
+        if self.backend is not None:
+            self.backend.release()
 
     def _led(self, plan: Sequence[Assignment]) -> bool:
         """Whether the model-free proposers in ``plan`` carried the last step (``ModelFreeLead``)."""

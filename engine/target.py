@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from . import kv
+from .programs import Program, alone
 from .tree import TokenTree, ancestor_mask, attention_bias, positions
 
 
@@ -40,6 +41,13 @@ class Target(Protocol):
     def forward_tree(self, state: TargetStateLike, tree: TokenTree) -> torch.Tensor:  # -> [N, V]
         """One forward over the whole tree (positions prefix + depth, tree mask)."""
 
+    def prefill_program(self, state: TargetStateLike, prompt_ids: list[int], chunk_tokens: int | None = None) -> Program:
+        """``prefill`` as a forward program (``engine.programs``), in chunks where the target packs
+        forwards (``chunk_tokens`` prompt tokens each; None: one); returns the logits [V]."""
+
+    def tree_program(self, state: TargetStateLike, tree: TokenTree) -> Program:
+        """``forward_tree`` as a forward program: returns the logits [N, V]."""
+
     def commit(self, state: TargetStateLike, prefix_length: int, path: tuple[int, ...]) -> None:
         """Keep the prefix plus the accepted path (root included); drop the other tree entries."""
 
@@ -61,7 +69,18 @@ class TargetState:
         return kv.cache_length(self.cache)
 
 
-class TargetModel:
+class ForwardsAlone:
+    """The forward programs of a target whose forwards run one request at a time: each program's
+    forward is its ``prefill`` / ``forward_tree`` call, run by itself (``engine.programs.ALONE``)."""
+
+    def prefill_program(self, state, prompt_ids: list[int], chunk_tokens: int | None = None) -> Program:  # -> [V]
+        return (yield alone(lambda: self.prefill(state, prompt_ids)))
+
+    def tree_program(self, state, tree: TokenTree) -> Program:  # -> [N, V]
+        return (yield alone(lambda: self.forward_tree(state, tree)))
+
+
+class TargetModel(ForwardsAlone):
     def __init__(self, model):
         self.model = model
         self.dtype = kv.activation_dtype(model)  # its masks' dtype (read once: it walks every parameter)

@@ -1,8 +1,9 @@
 """Continuous batching over the paged KV pool, in-process (fp32 tiny models).
 
-Each request runs on its own thread; their forwards are packed into one target forward per
-step and one SSM forward per tree level. Outputs must equal each request run alone and the
-target's own greedy ``generate``; the pool's blocks must all come back.
+The engine loop (``engine.loop``) steps every running request together: one packed target forward
+per iteration and one SSM forward per tree level. The tests step it by hand (requests join at
+chosen iterations), or from threads that share it. Outputs must equal each request run alone and
+the target's own greedy ``generate``; the pool's blocks must all come back.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from actors.suffix import SuffixDrafter
 from engine.draft import ModelDrafter
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.generate import SpeculativeEngine
+from engine.loop import LoopLimits
 from engine.kv_pool import BlockPool, KVStorage, PagedSequence, PoolExhausted
 from engine.models import onednn_linears
 from engine.packed import ForwardItem, PagedModel, chain_item
@@ -37,12 +39,41 @@ def models():
     return tiny_model("llama", VOCAB, layers=2, seed=0), tiny_model("llama", VOCAB, layers=1, seed=1)
 
 
-def batched_engine(models, eos=(), tokens: int = 4096, block_size: int = 16) -> SpeculativeEngine:
+def batched_engine(models, eos=(), tokens: int = 4096, block_size: int = 16,
+                   chunk_tokens: int | None = None) -> SpeculativeEngine:
     target, ssm = models
     target_pool, target_batcher = paged_parts(target, tokens, block_size)
-    ssm_pool, ssm_batcher = paged_parts(ssm, tokens, block_size)
+    ssm_pool, ssm_batcher = paged_parts(ssm, tokens, block_size, chunk_tokens=chunk_tokens)
     drafters = [PagedDrafter(ssm, 0, "ssm", ssm_pool, ssm_batcher), SuffixDrafter(1)]
-    return SpeculativeEngine(PagedTarget(target, target_pool, target_batcher), drafters, IdTokenizer(), eos, 1024)
+    return SpeculativeEngine(PagedTarget(target, target_pool, target_batcher), drafters, IdTokenizer(), eos, 1024,
+                             limits=LoopLimits(chunk_tokens=chunk_tokens))
+
+
+def run_loop(engine, requests, joins) -> tuple[list[list[int]], list]:
+    """Step the engine's loop by hand, request i submitted before iteration ``joins[i]``, until every
+    request finished: (each request's tokens, each iteration's IterationStats)."""
+    loop, outputs, ids, stats = engine.loop, [[] for _ in requests], {}, []
+    while len(ids) < len(requests) or loop.has_work:
+        for i, request in enumerate(requests):
+            if joins[i] == len(stats):
+                ids[i] = loop.submit(request)
+        stats.append(loop.step())
+        for i, request_id in ids.items():
+            if request_id in loop.requests:
+                outputs[i].extend(t for update in loop.take(request_id) for t in update.token_ids)
+    return outputs, stats
+
+
+def item_counts(runner) -> list[int]:
+    """Record how many items each packed forward of ``runner`` (a PagedModel) runs; the list it fills."""
+    counts, forward = [], runner.forward
+
+    def recording(items):
+        counts.append(len(items))
+        return forward(items)
+
+    runner.forward = recording
+    return counts
 
 
 def pools(engine: SpeculativeEngine) -> list[BlockPool]:
@@ -87,15 +118,25 @@ def test_batched_greedy_equals_alone_and_generate(models):
     requests = [GenerationRequest(p, n, speculation=s) for p, n, s in MIXED]
     expected = [reference_greedy(models[0], list(p), n) for p, n, _ in MIXED]
     assert [list(engine.generate(r).token_ids) for r in requests] == expected  # alone
-    engine.target.batcher.hold_next(3)  # the first three prefills share a forward, whatever the timing
-    engine.drafters[0].batcher.hold_next(2)  # and the two tree requests' first SSM forward
-    outputs = run_threads(engine, requests, delays=[0.0, 0.0, 0.01, 0.05, 0.1, 0.2])  # joins mid-run
+    target_items, ssm_items = item_counts(engine.target.packed), item_counts(engine.drafters[0].packed)
+    outputs, stats = run_loop(engine, requests, joins=[0, 0, 0, 1, 3, 4])  # three at once, then joins mid-run
     assert outputs == expected
-    counters = engine.target.batcher.counters
-    assert counters.largest >= 3, counters  # forwards were shared (made certain by hold_next)
-    assert engine.drafters[0].batcher.counters.largest >= 2
+    assert target_items[0] == 3 and max(target_items) >= 5, target_items  # prefills and trees share a pass
+    assert [s.target_passes for s in stats] == [1] * len(stats)  # one target pass per iteration
+    assert len(target_items) == len(stats)
+    assert max(ssm_items) >= 2, ssm_items  # the tree requests' levels share SSM forwards
+    assert sum(s.draft_rounds for s in stats) == len(ssm_items)  # one SSM forward per round
     assert all(pool.num_free == pool.num_blocks and pool.num_unreserved == pool.num_blocks for pool in pools(engine))
     assert not engine.drafters[1].shared.active_requests  # every request stopped in the suffix proposer
+
+
+def test_threads_sharing_the_loop_get_their_own_outputs(models):
+    """Callers on their own threads (``SpeculativeEngine.stream``) step the one loop in turn."""
+    engine = batched_engine(models)
+    requests = [GenerationRequest(p, n, speculation=s) for p, n, s in MIXED]
+    expected = [reference_greedy(models[0], list(p), n) for p, n, _ in MIXED]
+    assert run_threads(engine, requests, delays=[0.0] * len(requests)) == expected
+    assert all(pool.num_free == pool.num_blocks for pool in pools(engine))
 
 
 def test_eos_inside_trees_and_a_cancel_mid_run(models):
@@ -114,14 +155,14 @@ def test_eos_inside_trees_and_a_cancel_mid_run(models):
 
 def test_failed_request_returns_its_blocks(models, monkeypatch):
     engine = batched_engine(models)
-    original = PagedDrafter._forward_level
+    original = PagedDrafter._level_program
 
     def fail_for_long_prompts(self, state, builder, level, cached, depth, committed_length):
         if committed_length > 40:
             raise RuntimeError("injected SSM failure")
-        return original(self, state, builder, level, cached, depth, committed_length)
+        return (yield from original(self, state, builder, level, cached, depth, committed_length))
 
-    monkeypatch.setattr(PagedDrafter, "_forward_level", fail_for_long_prompts)
+    monkeypatch.setattr(PagedDrafter, "_level_program", fail_for_long_prompts)
     with pytest.raises(RuntimeError, match="injected"):
         engine.generate(GenerationRequest(tuple(range(1, 50)), 10, speculation=TREE))
     assert engine.generate(GenerationRequest(tuple(range(1, 10)), 10, speculation=TREE)).token_ids
@@ -425,13 +466,13 @@ def chain_sizes(batcher) -> list[int]:
 def test_chunked_prefill_equals_generate_and_no_forward_takes_more_than_a_chunk(models):
     """Prompts longer than the chunk (30 and 50 tokens, chunks of 12) are fed 12 tokens per forward,
     target and SSM alike, while the others step; outputs still equal generate, blocks all return."""
-    engine = batched_engine(models)
-    for batcher in (engine.target.batcher, engine.drafters[0].batcher):
-        batcher.chunk_tokens = 12
+    engine = batched_engine(models, chunk_tokens=12)
     sizes = [chain_sizes(engine.target.batcher), chain_sizes(engine.drafters[0].batcher)]
     requests = [GenerationRequest(p, n, speculation=s) for p, n, s in MIXED]
     expected = [reference_greedy(models[0], list(p), n) for p, n, _ in MIXED]
-    assert run_threads(engine, requests, delays=[0.0, 0.0, 0.01, 0.05, 0.1, 0.2]) == expected
+    outputs, stats = run_loop(engine, requests, joins=[0, 0, 1, 2, 3, 4])
+    assert outputs == expected
+    assert max(s.prompt_tokens for s in stats) <= 12  # all prompts together: at most a chunk per pass
     for recorded in sizes:
         assert max(recorded) == 12, recorded  # chunks of 12, none larger
     assert all(pool.num_free == pool.num_blocks and pool.num_unreserved == pool.num_blocks for pool in pools(engine))

@@ -1,0 +1,263 @@
+"""The engine loop (``engine.loop``) stepped by hand, and the forward programs it runs
+(``engine.programs``): admission and its queue, one pass per iteration, errors that stay with their
+request, per-iteration statistics. fp32 tiny models; no clocks, no threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.suffix import SuffixDrafter
+from engine.draft import ModelDrafter
+from engine.generate import SpeculativeEngine
+from engine.kv_pool import PoolExhausted
+from engine.loop import EngineLoop, LoopLimits, QueueFull
+from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
+from engine.programs import Forward, alone, run_alone, run_round, run_rounds, start
+from engine.requests import GenerationRequest, SpeculationOptions
+from engine.sampling import SamplingParams
+from engine.target import TargetModel
+from tests.tiny_models import IdTokenizer, reference_greedy, tiny_model
+
+VOCAB = 97
+TREE = SpeculationOptions(expansion=(2, 2, 1))
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(2)
+    return tiny_model("llama", VOCAB, layers=2, seed=0), tiny_model("llama", VOCAB, layers=1, seed=1)
+
+
+def paged_loop(models, tokens: int = 4096, limits: LoopLimits = LoopLimits(), block_size: int = 16) -> EngineLoop:
+    target, ssm = models
+    target_pool, target_batcher = paged_parts(target, tokens, block_size)
+    ssm_pool, ssm_batcher = paged_parts(ssm, 4096, block_size)
+    drafters = [PagedDrafter(ssm, 0, "ssm", ssm_pool, ssm_batcher), SuffixDrafter(1)]
+    return EngineLoop(PagedTarget(target, target_pool, target_batcher), drafters, IdTokenizer(), (), limits)
+
+
+def drain(loop: EngineLoop, ids: list[int], outputs: dict | None = None) -> dict[int, list[int]]:
+    """Step until the loop is idle; every request's tokens."""
+    outputs = outputs if outputs is not None else {i: [] for i in ids}
+    while loop.has_work:
+        loop.step()
+        collect(loop, outputs)
+    collect(loop, outputs)
+    return outputs
+
+
+def collect(loop: EngineLoop, outputs: dict) -> None:
+    for request_id in list(outputs):
+        if request_id in loop.requests:
+            outputs[request_id].extend(t for u in loop.take(request_id) for t in u.token_ids)
+
+
+def pools_whole(loop: EngineLoop) -> bool:
+    pools = [loop.target.pool, loop.drafters[0].pool]
+    return all(p.num_free == p.num_blocks and p.num_unreserved == p.num_blocks for p in pools)
+
+
+# -- Forward programs. ---------------------------------------------------------------------------
+
+
+class CountingRunner:
+    """A runner that doubles its items and records each batch; an item of None fails alone."""
+
+    def __init__(self):
+        self.batches: list[list] = []
+
+    def forward(self, items):
+        self.batches.append(list(items))
+        return [ValueError("bad item") if item is None else 2 * item for item in items]
+
+
+def twice(runner, first, second):
+    a = yield Forward(runner, first)
+    b = yield Forward(runner, second)
+    return a + b
+
+
+def once(runner, item):
+    return (yield Forward(runner, item))
+
+
+def test_rounds_run_one_batch_per_runner_with_every_waiting_item():
+    m, n = CountingRunner(), CountingRunner()
+    programs = [start(twice(m, 1, 2)), start(once(m, 10)), start(once(n, 5))]
+    assert run_rounds(programs) == 2
+    assert m.batches == [[1, 10], [2]] and n.batches == [[5]]
+    assert [p.result for p in programs] == [6, 20, 10]
+
+
+def test_an_items_error_goes_to_its_program_alone():
+    m = CountingRunner()
+    programs = [start(twice(m, 1, None)), start(twice(m, 3, 4))]
+    run_rounds(programs)
+    assert isinstance(programs[0].error, ValueError) and programs[0].result is None
+    assert programs[1].result == 14 and programs[1].error is None
+
+
+def test_a_round_can_leave_programs_waiting():
+    m = CountingRunner()
+    programs = [start(once(m, 1)), start(once(m, 2))]
+    assert run_round(programs, chosen=lambda running: running is programs[0]) == 1
+    assert programs[0].result == 2 and not programs[1].done and m.batches == [[1]]
+
+
+def test_run_alone_runs_callables_and_raises_their_errors():
+    def program():
+        value = yield alone(lambda: 21)
+        return 2 * value
+
+    def failing():
+        yield alone(lambda: 1 / 0)
+
+    assert run_alone(program()) == 42
+    with pytest.raises(ZeroDivisionError):
+        run_alone(failing())
+
+
+# -- The loop. -------------------------------------------------------------------------------------
+
+
+def test_the_queue_is_bounded_and_refuses_with_its_limit(models):
+    loop = paged_loop(models, limits=LoopLimits(max_running=1, max_waiting=1))
+    first = loop.submit(GenerationRequest(tuple(range(3, 9)), 4))
+    with pytest.raises(QueueFull, match=r"1 requests waiting \(limit 1\)"):
+        loop.submit(GenerationRequest(tuple(range(3, 9)), 4))
+    loop.step()  # the first is admitted: the queue has room again
+    second = loop.submit(GenerationRequest(tuple(range(5, 12)), 4))
+    assert (loop.last.running, loop.last.waiting) == (1, 0)
+    assert len(loop.waiting) == 1
+    outputs = drain(loop, [first, second])
+    assert outputs[first] == reference_greedy(models[0], list(range(3, 9)), 4)
+    assert outputs[second] == reference_greedy(models[0], list(range(5, 12)), 4)
+
+
+def test_a_request_waits_for_kv_blocks_then_runs(models):
+    """A pool that holds one request's worst case: the second waits in the queue (no error, no
+    clock) until the first gives its blocks back."""
+    prompts = [tuple(range(10, 30)), tuple(range(40, 60))]
+    loop = paged_loop(models, tokens=160, limits=LoopLimits(max_running=4))
+    ids = [loop.submit(GenerationRequest(p, 24, speculation=TREE)) for p in prompts]
+    loop.step()
+    assert (loop.last.running, loop.last.waiting) == (1, 1)
+    outputs = drain(loop, ids)
+    assert [outputs[i] for i in ids] == [reference_greedy(models[0], list(p), 24) for p in prompts]
+    assert pools_whole(loop)
+
+
+def test_a_request_larger_than_the_pool_fails_alone(models):
+    loop = paged_loop(models, tokens=64)
+    too_big = loop.submit(GenerationRequest(tuple(range(1, 60)), 40))
+    loop.step()
+    with pytest.raises(PoolExhausted):
+        loop.take(too_big)
+    fits = loop.submit(GenerationRequest(tuple(range(1, 8)), 6, speculation=SpeculationOptions(mode="incremental")))
+    assert drain(loop, [fits])[fits] == reference_greedy(models[0], list(range(1, 8)), 6)
+
+
+def test_a_failed_draft_ends_its_request_and_the_others_go_on(models, monkeypatch):
+    original = PagedDrafter._level_program
+
+    def fail_for_long_prompts(self, state, builder, level, cached, depth, committed_length):
+        if committed_length > 40:
+            raise RuntimeError("injected SSM failure")
+        return (yield from original(self, state, builder, level, cached, depth, committed_length))
+
+    monkeypatch.setattr(PagedDrafter, "_level_program", fail_for_long_prompts)
+    loop = paged_loop(models)
+    bad = loop.submit(GenerationRequest(tuple(range(1, 50)), 10, speculation=TREE))
+    good = loop.submit(GenerationRequest(tuple(range(1, 10)), 10, speculation=TREE))
+    outputs = {good: []}
+    while loop.has_work:
+        loop.step()
+        collect(loop, outputs)
+    loop.take(bad)  # its first token came before the failure
+    with pytest.raises(RuntimeError, match="injected"):
+        loop.take(bad)
+    assert outputs[good] == reference_greedy(models[0], list(range(1, 10)), 10)
+    assert pools_whole(loop)
+
+
+def test_cancel_while_waiting_and_while_running_gives_the_blocks_back(models):
+    loop = paged_loop(models, limits=LoopLimits(max_running=1))
+    running = loop.submit(GenerationRequest(tuple(range(3, 20)), 30, speculation=TREE))
+    waiting = loop.submit(GenerationRequest(tuple(range(3, 20)), 30))
+    loop.step()
+    loop.step()
+    loop.cancel(waiting)
+    loop.cancel(running)
+    assert not loop.has_work or loop.step().running == 0
+    assert pools_whole(loop) and not loop.requests
+
+
+def test_seeded_sampling_does_not_depend_on_who_else_runs(models):
+    """The same seeded requests alone and joining a busy loop at different iterations."""
+    sampling = [SamplingParams(temperature=0.9, seed=7), SamplingParams(temperature=1.1, top_k=12, seed=8)]
+    options = SpeculationOptions(expansion=(2, 2), children="sampled", adaptive=False)
+    requests = [GenerationRequest(tuple(range(20, 32)), 20, s, options) for s in sampling]
+    alone_outputs = []
+    for request in requests:
+        loop = paged_loop(models)
+        request_id = loop.submit(request)
+        alone_outputs.append(drain(loop, [request_id])[request_id])
+    loop = paged_loop(models)
+    others = [loop.submit(GenerationRequest(tuple(range(5, 15)), 25, SamplingParams(temperature=1.0, seed=s), options))
+              for s in (1, 2)]
+    outputs = {i: [] for i in others}
+    loop.step()
+    ids = [loop.submit(requests[0])]
+    loop.step()
+    loop.step()
+    ids.append(loop.submit(requests[1]))
+    outputs.update({i: [] for i in ids})
+    drain(loop, ids + others, outputs)
+    assert [outputs[i] for i in ids] == alone_outputs
+    assert all(len(outputs[i]) == 25 for i in others)
+
+
+def test_iteration_stats_add_up_to_the_requests_own(models):
+    loop = paged_loop(models)
+    seen = []
+    loop.observers.append(seen.append)
+    ids = [loop.submit(GenerationRequest(p, 16, speculation=TREE)) for p in (tuple(range(3, 9)), tuple(range(30, 50)))]
+    stats = {}
+    outputs = {i: [] for i in ids}
+    while loop.has_work:
+        loop.step()
+        for i in ids:
+            if i in loop.requests:
+                for update in loop.take(i):
+                    outputs[i].extend(update.token_ids)
+                    stats[i] = update.stats
+    assert [s.iteration for s in seen] == list(range(1, len(seen) + 1))
+    assert sum(s.emitted_tokens for s in seen) == sum(len(o) for o in outputs.values()) == 32
+    assert sum(s.drafted_tokens for s in seen) == sum(st.draft_tokens for st in stats.values())
+    assert sum(s.accepted_tokens for s in seen) == sum(st.accepted_tokens for st in stats.values())
+    assert sum(s.prompt_tokens for s in seen) == 6 + 20
+    assert seen[0].kv_blocks_used > 0 and seen[-1].kv_blocks_used == 0 and seen[-1].running == 0
+    assert set(seen[0].ms) == {"schedule", "draft", "merge", "verify", "commit"}
+
+
+def test_unpacked_models_run_in_the_loop_one_item_at_a_time(models):
+    """A DynamicCache target and SSM: the same phases, each forward alone; outputs exact."""
+    target, ssm = models
+    engine = SpeculativeEngine(TargetModel(target), [ModelDrafter(ssm, 0, "ssm"), SuffixDrafter(1)], IdTokenizer(),
+                               (), 1024)
+    prompts = [tuple(range(3, 11)), tuple(range(20, 44)), tuple(range(50, 57))]
+    ids = [engine.loop.submit(GenerationRequest(p, 18, speculation=TREE)) for p in prompts]
+    outputs = drain(engine.loop, ids)
+    assert [outputs[i] for i in ids] == [reference_greedy(target, list(p), 18) for p in prompts]
+    assert engine.loop.last.kv_blocks_used is None
+
+
+@pytest.mark.parametrize("limits, message", [
+    (dict(max_running=0), "max_running must be >= 1"),
+    (dict(max_waiting=-1), "max_waiting >= 0"),
+    (dict(chunk_tokens=0), "chunk_tokens must be >= 1"),
+])
+def test_limits_are_checked(limits, message):
+    with pytest.raises(ValueError, match=message):
+        LoopLimits(**limits)
