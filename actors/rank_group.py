@@ -106,7 +106,7 @@ class RankActor:
                                              timeout=datetime.timedelta(seconds=timeout_s))
         # Loaded on CPU and sharded by DeepSpeed's AutoTP, which replaces the nn.Linear layers: left as loaded.
         loaded = load_configured(self.config.model_copy(update={"device": "cpu", "cpu_linears": "torch"}),
-                                 self.config.target)
+                                 self.config.target, dtype_device="cuda" if on_gpu else "cpu")
         dtype = loaded.model.dtype
         engine = deepspeed.init_inference(loaded.model, tensor_parallel={"tp_size": self.world_size},
                                           dtype=dtype, replace_with_kernel_inject=False)

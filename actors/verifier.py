@@ -18,6 +18,7 @@ from engine.kv_pool import PagedSequence, StateLost
 from engine.target import TargetState
 
 from .guard import Guard, make_dropper
+from .loading import auto_chose_cpu_bf16, check_bf16_curve
 from .targets import build_target
 from .common import HoldsRequests, Vocabulary, setup_process, sweep_interval, vocabulary
 from .store import RequestStore, start_sweeper
@@ -55,6 +56,7 @@ class VerifierActor(HoldsRequests):
         self.target, loaded = build_target(config, lambda: len(self.store), name_prefix, namespace)
         capacity = self.target.pool.num_slots if self.paged else None
         self.config = config
+        self.auto_bf16 = auto_chose_cpu_bf16(config, loaded)  # checked against the verify-cost curve
         self.info = TargetInfo(config.target.name, loaded.tokenizer, eos_token_ids(loaded),
                                getattr(loaded.model.config, "max_position_embeddings", None), vocabulary(loaded),
                                capacity)
@@ -81,6 +83,8 @@ class VerifierActor(HoldsRequests):
         else:
             curve = measure_target_curve(self.target, sizes, slack)
         logger.info("verify-cost curve (tokens per pass -> ms): %s", {k: round(v, 1) for k, v in curve.items()})
+        if self.auto_bf16:
+            check_bf16_curve(config.target.name, curve)
         return curve
 
     def ready(self) -> TargetInfo:

@@ -13,7 +13,7 @@ from .method_names import GREEDY_METHODS, SAMPLED_METHODS, SPELLINGS
 if TYPE_CHECKING:  # the harness (torch, transformers) is imported by the commands, not by `--help`
     from .run import BenchSettings
 
-DTYPES = ["float32", "bfloat16", "float16"]
+DTYPES = ["auto", "float32", "bfloat16", "float16"]  # settings.config.Dtype (auto: bf16 where native, else float32)
 
 
 def add_parsers(subparsers) -> None:

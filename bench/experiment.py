@@ -228,7 +228,9 @@ def run_experiment(path: str | Path, experiment: ExperimentConfig | None = None,
     folder resolves its relative paths)."""
     path = Path(path)
     experiment = experiment or load_experiment(path)
-    config = engine_config(experiment, path, dtype)
+    from actors.loading import with_dtype_resolved
+
+    config = with_dtype_resolved(engine_config(experiment, path, dtype))  # recorded: the dtype measured
     out = Path(out or experiment.out)
     rows: list[ExperimentRow] = []
     generation_ms = 0.0

@@ -84,8 +84,10 @@ def run_identity(settings: BenchSettings, config: EngineConfig) -> dict:
 
 def _kernels_changed(config: EngineConfig, model) -> bool:
     """Whether ``model`` runs on other CPU linear kernels than before ``cpu_linears`` existed (float32
-    through plain oneDNN, other dtypes on torch's path)."""
-    return config.linears_for(model) != ("onednn" if config.model_dtype(model) == "float32" else "torch")
+    through plain oneDNN, other dtypes on torch's path). Under ``auto`` (a server's own choice) the
+    dtype, and so the kernels, are not known here: named."""
+    dtype = config.model_dtype(model)
+    return dtype == "auto" or config.linears_for(model) != ("onednn" if dtype == "float32" else "torch")
 
 
 def check_run_identity(path: Path, identity: dict) -> None:
@@ -187,6 +189,10 @@ def run_pairs(settings: BenchSettings, config: EngineConfig, runner: Runner | No
 def run_bench(settings: BenchSettings, config: EngineConfig | None = None, runner: Runner | None = None) -> dict:
     """Run (or resume) a benchmark and write rows.jsonl, results.json, results.md and the plots."""
     config = config or load_config(settings.config, dtype=settings.dtype)
+    if not settings.via:  # in-process: the models load here, and the run records the dtype measured
+        from actors.loading import with_dtype_resolved
+
+        config = with_dtype_resolved(config)
     methods = resolve_methods(settings.methods, config, settings.via)
     workload = load_workload(settings.dataset, load_tokenizer(config), settings.num_prompts, settings.max_prompt_tokens)
     workload = repeat_workload(workload, settings.repeat)

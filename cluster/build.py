@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from actors.loading import load_configured
+from actors.loading import auto_chose_cpu_bf16, check_bf16_curve, load_configured
 from actors.suffix import SuffixDrafter
 from actors.targets import load_target
 from engine.draft import ModelDrafter
@@ -94,6 +94,8 @@ def build_engine(config: EngineConfig, batched: bool = False) -> SpeculativeEngi
     if config.cost_aware_shapes or (batched and config.tree_budget_applies):
         curve = measure_target_curve(target_model, config.speculation.cost.curve_max_tokens, float("inf"))
         logger.info("verify-cost curve (tokens per pass -> ms): %s", {size: round(ms, 1) for size, ms in curve.items()})
+        if auto_chose_cpu_bf16(config, target):
+            check_bf16_curve(config.target.name, curve)
     return SpeculativeEngine(target_model, drafters, target.tokenizer, eos_token_ids(target),
                              max_context=_graph_context(config, target_model) if graphs else None,
                              cost=tree_cost(config, curve), limits=_limits(config, batched),

@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
-from settings.config import EngineConfig, load_config
+from settings.config import Dtype, EngineConfig, load_config
 
 if TYPE_CHECKING:  # the engine (torch, transformers) is imported by the commands that run it, not by `--help`
     from engine.requests import GenerationRequest
@@ -28,7 +28,9 @@ def add_parsers(subparsers) -> None:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=None)
     gen.add_argument("--mode", choices=["incremental", "sequence", "tree"], default=None)
-    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    gen.add_argument("--dtype", choices=get_args(Dtype), default=None,
+                     help="override the config's dtype (auto: bfloat16 where the CPU or GPU has native bf16, else "
+                          "float32; greedy output is exact in float32)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     add_sampling_arguments(gen)

@@ -84,6 +84,26 @@ def budget_from_curve(curve: dict[int, float], slack: float, min_tree_nodes: int
     return TreeBudget(cap, min_tree_nodes, disable_above)
 
 
+EMULATED_TOKENS = 8  # the pass compared with the one-token pass
+EMULATED_RATIO = 3.0  # ... costing more than this many one-token passes: cost grows about with the tokens
+
+
+def grows_with_tokens(curve: dict[int, float]) -> bool:
+    """Whether a verify pass costs about in proportion to its tokens, as emulated bf16 products do:
+    the 8-token pass above 3x the one-token pass (where the curve stopped below 8 tokens, its
+    largest size of at least 4 against the same slope, e.g. 4 tokens above 1.5x). A curve without
+    the one-token pass or a pass of 4 or more tokens tells nothing (False).
+
+    Measured on the default target: emulated bf16 (2-core AVX2 EPYC) 255 -> 1,429 ms (5.6x, True);
+    float32 on oneDNN there ~300 -> ~700 ms (2.3x, False); native bf16 (AMX) 152 -> 159 ms (False).
+    """
+    sizes = [size for size in curve if 4 <= size <= EMULATED_TOKENS]
+    if 1 not in curve or not sizes or curve[1] <= 0:
+        return False
+    size = max(sizes)
+    return curve[size] > EMULATED_RATIO * size / EMULATED_TOKENS * curve[1]
+
+
 RESWEEP_MAX_TOKENS = 16  # the passes a tree's verify usually costs: timed again by extra sweeps
 CURVE_SWEEPS = 3  # sweeps of every verify-cost curve the engine and the verifier measure
 

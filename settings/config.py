@@ -13,7 +13,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: resolved where the model loads (engine.dtypes)
 CpuLinears = Literal["auto", "onednn", "onednn_packed", "torch"]  # CPU linear kernels (engine.models.onednn_linears)
 Kernels = Literal["onednn", "onednn_packed", "torch"]  # what ``auto`` resolves to, per model dtype
 APP_NAME = "specinfer"
@@ -220,7 +220,13 @@ class EngineConfig(Strict):
     """Models, speculation and serving options of one deployment."""
 
     models_dir: str = "~/.cache/specinfer/models"
-    dtype: Dtype = "bfloat16"
+    dtype: Dtype = Field(
+        default="auto", description="auto (the default): bfloat16 where the model's device multiplies it natively "
+                                    "(a GPU with bf16; a CPU with AVX512-BF16 or AMX, unless ONEDNN_MAX_CPU_ISA or "
+                                    "ATEN_CPU_CAPABILITY caps it below them), float32 elsewhere (emulated bf16 "
+                                    "makes a pass cost in proportion to its tokens). Each process that loads a "
+                                    "model resolves it on its own host (engine.dtypes). Greedy output is exact in "
+                                    "float32")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     torch_threads: int | None = Field(default=None, ge=1)
     cpu_linears: CpuLinears = Field(
@@ -309,14 +315,19 @@ class EngineConfig(Strict):
         return Path(os.environ.get("SPECINFER_MODELS") or self.models_dir).expanduser()
 
     def model_dtype(self, model: ModelConfig) -> Dtype:
-        """The dtype ``model`` runs in: its own, or the config's."""
+        """The dtype ``model`` runs in as configured: its own, or the config's (``auto`` is resolved
+        by the process that loads it: actors.loading.load_configured)."""
         return model.dtype or self.dtype
 
-    def linears_for(self, model: ModelConfig) -> Kernels:
+    def linears_for(self, model: ModelConfig, dtype: str | None = None) -> Kernels:
         """The CPU linear kernels ``model`` runs on: ``cpu_linears``, with ``auto`` resolved by its
         dtype (float32: onednn; bfloat16: onednn_packed; float16: torch). Plain oneDNN is torch's own
-        path outside float32, so ``onednn`` there is ``torch``."""
-        dtype = self.model_dtype(model)
+        path outside float32, so ``onednn`` there is ``torch``. ``dtype``: the dtype it was loaded in
+        (needed when it is configured ``auto``)."""
+        dtype = dtype or self.model_dtype(model)
+        if dtype == "auto":
+            raise ValueError(f"{model.name}: dtype auto must be resolved on the machine that loads the model "
+                             "before its CPU linear kernels can be chosen")
         kernels = self.cpu_linears
         if kernels == "auto":
             kernels = {"float32": "onednn", "bfloat16": "onednn_packed"}.get(dtype, "torch")

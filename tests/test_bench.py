@@ -247,10 +247,12 @@ def test_cpu_linears_resolve_per_model_dtype(cpu_linears, dtype, kernels):
     ("onednn", "float32", None), ("auto", "float32", None), ("torch", "float32", "torch"),
     ("onednn_packed", "float32", "onednn_packed"),
     ("onednn_packed", "bfloat16", "onednn_packed"), ("auto", "bfloat16", "auto"),
-    ("onednn", "bfloat16", None), ("torch", "bfloat16", None), ("auto", "float16", None)])
+    ("onednn", "bfloat16", None), ("torch", "bfloat16", None), ("auto", "float16", None),
+    ("auto", "auto", "auto"), ("onednn", "auto", "onednn")])
 def test_run_identity_names_cpu_linears_only_where_it_changes_the_run(cpu_linears, dtype, recorded):
     """Directories made before the setting existed (plain oneDNN in float32, torch's path in bf16)
-    still resume; a run on other kernels (packed bf16 weights included) does not mix with them."""
+    still resume; a run on other kernels (packed bf16 weights included) does not mix with them.
+    Under dtype auto (a served run's server resolves it) the kernels are not known: named."""
     config = EngineConfig.model_validate({"target": {"name": "t", "source": "t"}, "cpu_linears": cpu_linears,
                                           "dtype": dtype})
     identity = run_identity(BenchSettings(config="c.yaml", dataset="humaneval", out=Path("out")), config)
@@ -566,7 +568,7 @@ def test_ensemble_experiment_config_validates():
     path = REPO / "configs/experiments/ensemble.yaml"
     experiment = load_experiment(path)
     config = engine_config(experiment, path)
-    assert config.target.name == "qwen2.5-coder-1.5b-instruct" and config.dtype == "bfloat16"
+    assert config.target.name == "qwen2.5-coder-1.5b-instruct" and config.dtype == "auto"  # default.yaml's
     assert [(m.name, m.quantize) for m in config.ssms] == [("qwen0.5b", "none"), ("qwen0.5b-int8", "int8")]
     assert config.speculation.min_confidence == 0.1 and config.speculation.mode == "tree"
     assert experiment.runs == ["in-process", "served"] and len(experiment.methods()) == 1 + 7 * 3
