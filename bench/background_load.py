@@ -23,6 +23,7 @@ from actors.targets import load_target
 from cluster.build import set_threads
 from engine.budget import measure_target_curve
 from settings.config import load_config
+from bench.machine import with_machine
 
 # One background process: every period, spin for busy (both in seconds), until killed.
 SPIN = """import sys, time
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"config": args.config, "dtype": config.dtype, "torch_threads": config.torch_threads,
               "processes": args.processes, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(json.dumps(with_machine(result), indent=1) + "\n")
     return result
 
 

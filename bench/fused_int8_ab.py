@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from bench.int8_paths import quantize, time_forward
+from bench.machine import with_machine
 
 VARIANTS = {"separate": "ao-dynamic", "fused": "ao-dynamic-fused"}  # bench.int8_paths' paths
 
@@ -79,9 +80,9 @@ def main(argv=None) -> int:
     print(f"fused faster in {faster['decode_ms']} / {faster['level4_ms']} of {args.rounds} rounds (decode / level)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"threads": args.threads, "prefix": args.prefix, "repeats": args.repeats,
-                                              "logits_equal": equal, "rounds": rounds, "median": summary,
-                                              "fused_faster_rounds": faster}, indent=1) + "\n")
+        result = {"threads": args.threads, "prefix": args.prefix, "repeats": args.repeats, "logits_equal": equal,
+                  "rounds": rounds, "median": summary, "fused_faster_rounds": faster}
+        Path(args.out).write_text(json.dumps(with_machine(result), indent=1) + "\n")
     return 0 if equal else 1
 
 

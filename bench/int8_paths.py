@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from bench.machine import with_machine
 
 PATHS = ("fp32", "ao-dynamic", "ao-dynamic-fused", "torchao-dyn", "torchao-wo", "torchao-dyn-compiled")
 
@@ -144,8 +145,8 @@ def main(argv=None) -> int:
               f"| {r['quantize_s']} | {r.get('compile_s', '-')} |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"threads": args.threads, "prefix": args.prefix, "rows": rows},
-                                             indent=1) + "\n")
+        result = {"threads": args.threads, "prefix": args.prefix, "rows": rows}
+        Path(args.out).write_text(json.dumps(with_machine(result), indent=1) + "\n")
     return 0
 
 

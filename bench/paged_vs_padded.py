@@ -31,6 +31,7 @@ from engine.packed import ForwardItem, PagedModel, chain_item  # noqa: E402
 from engine.target import TargetModel  # noqa: E402
 from engine.timing import median_ms  # noqa: E402
 from engine.tree import TokenTree, ancestor_mask, positions  # noqa: E402
+from bench.machine import with_machine  # noqa: E402
 
 TREE = TokenTree(torch.tensor([11, 12, 13, 14]), torch.tensor([-1, 0, 0, 1]))
 
@@ -134,7 +135,7 @@ def main() -> None:
     result = {"config": args.config, "dtype": config.dtype, "threads": torch.get_num_threads(), "tree": "4 nodes",
               "verify_cost_ms": curve, "budget_cap": budget.cap, "slack": args.slack, "step": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(with_machine(result), indent=2))
 
 
 if __name__ == "__main__":

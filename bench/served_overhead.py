@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from bench.headline import PROMPTS, encode  # the headline prompts (BENCHMARKS.md)
+from bench.machine import with_machine
 
 
 def start_server(config: str, port: int, log: Path) -> subprocess.Popen:
@@ -117,7 +118,7 @@ def main() -> int:
     result = {"config": args.config, "dtype": config.dtype, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "batching": False, "summary": summarize(rows), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    Path(args.out).write_text(json.dumps(with_machine(result), indent=1))
     print(json.dumps(result["summary"], indent=1))
     return 0
 
