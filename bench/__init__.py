@@ -13,6 +13,6 @@
 * ``cli``: the ``bench`` and ``experiment`` sub-commands (``cluster/cli.py`` registers them).
 
 The scripts beside these modules (``headline.py``, ``cost_curve.py``, ``gpu_verify_curve.py``,
-``paged_vs_padded.py``, ``load_plot.py``, ``load_batching.sh``) are run by hand; BENCHMARKS.md says how.
+``paged_vs_padded.py``, ``load_plot.py``, ``load_batching.sh``) are run by hand; docs/benchmarking.md says how.
 Layers: ``bench`` imports ``engine``, ``cluster`` and ``settings``; none of them imports ``bench``.
 """
