@@ -248,9 +248,9 @@ def passes_table(file: str) -> str:
 def memory_table(file: str) -> str:
     """Each serving process's memory (MB), ready and after the streams."""
     data = load(file)
-    rows = [[f"`{name}`", fmt(ready["VmRSS"], ".0f"), fmt(data["memory_mb_after"][name]["VmRSS"], ".0f"),
-             fmt(ready["RssAnon"], ".0f"), fmt(ready["RssFile"], ".0f"), fmt(data["memory_mb_after"][name]["VmHWM"], ".0f")]
-            for name, ready in data["memory_mb_ready"].items()]
+    after = data["memory_mb_after"]
+    rows = [[f"`{name}`", fmt(ready["VmRSS"], ".0f"), fmt(after[name]["VmRSS"], ".0f"), fmt(ready["RssAnon"], ".0f"),
+             fmt(ready["RssFile"], ".0f"), fmt(after[name]["VmHWM"], ".0f")] for name, ready in data["memory_mb_ready"].items()]
     return table(["process", "RSS ready", "RSS after", "anonymous (ready)", "file-mapped (ready)", "peak (VmHWM)"],
                  rows)
 

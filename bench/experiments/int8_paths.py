@@ -2,7 +2,7 @@
 (deprecated; what ``engine.models.quantize_int8`` uses, with its sibling projections fused) against
 torchao's maintained API.
 
-    python bench/int8_paths.py --model ~/.cache/specinfer/models/qwen2.5-coder-0.5b-instruct \
+    python bench/experiments/int8_paths.py --model ~/.cache/specinfer/models/qwen2.5-coder-0.5b-instruct \
         --threads 2 --out bench/results/int8-paths.json
 
 Each path runs in a fresh subprocess (its memory and compile caches apart), one after the other:

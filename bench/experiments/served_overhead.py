@@ -1,6 +1,6 @@
 """In-process vs served (gRPC) ms/token on the default pair, with a per-hop profile of each step.
 
-    python bench/served_overhead.py --config configs/serve.yaml --out bench/results/served-overhead.json
+    python bench/experiments/served_overhead.py --config configs/serve.yaml --out bench/results/served-overhead.json
 
 Both sides run the same engine settings: the served path with continuous batching off (so no
 tree budget either), which is what the in-process engine runs. A server is started as

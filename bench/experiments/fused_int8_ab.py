@@ -1,15 +1,15 @@
 """The int8 SSM's forward with and without fused sibling projections (``engine.fused_int8``), in
 one process and alternating, so that both see the same machine load.
 
-    python bench/fused_int8_ab.py --model ~/.cache/specinfer/models/qwen2.5-coder-0.5b-instruct \
+    python bench/experiments/fused_int8_ab.py --model ~/.cache/specinfer/models/qwen2.5-coder-0.5b-instruct \
         --threads 2 --rounds 8 --out bench/results/int8-fused-ab.json
 
-Loads the model in bf16 (as configured), makes two int8 copies (``bench.int8_paths``' paths
+Loads the model in bf16 (as configured), makes two int8 copies (``bench.experiments.int8_paths``' paths
 ``ao-dynamic``, ``quantize_dynamic`` alone, and ``ao-dynamic-fused``, then fused as
 ``engine.models.quantize_int8`` does), checks that their logits over the prompt are equal,
 then per round times a decode step (1 token) and a tree level (4 tokens) on each, each the median
-of ``--repeats`` (``bench.int8_paths.time_forward``). Reports each round and the median over rounds.
-``bench/int8_paths.py`` runs each path in a fresh process instead (its memory apart), where this
+of ``--repeats`` (``bench.experiments.int8_paths.time_forward``). Reports each round and the median over rounds.
+``bench/experiments/int8_paths.py`` runs each path in a fresh process instead (its memory apart), where this
 box's noise between processes is larger than the difference.
 """
 
@@ -23,10 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench.int8_paths import quantize, time_forward
+from bench.experiments.int8_paths import quantize, time_forward
 from bench.machine import with_machine
 
-VARIANTS = {"separate": "ao-dynamic", "fused": "ao-dynamic-fused"}  # bench.int8_paths' paths
+VARIANTS = {"separate": "ao-dynamic", "fused": "ao-dynamic-fused"}  # bench.experiments.int8_paths' paths
 
 
 def load_variants(model_dir: str) -> dict:

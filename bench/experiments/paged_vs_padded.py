@@ -1,6 +1,7 @@
 """Paged KV pool with packed multi-request forwards vs one DynamicCache per request.
 
-    python bench/paged_vs_padded.py --config configs/default.yaml --out bench/results/batching/paged_vs_padded.json
+    python bench/experiments/paged_vs_padded.py --config configs/default.yaml \
+        --out bench/results/batching/paged_vs_padded.json
 
 For the config's target: (1) the verify-cost curve of one packed forward (ms vs tree tokens in
 the pass, on a 256-token prefix): the curve the serving tree budget is derived from; (2) one
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from actors.loading import load_configured  # noqa: E402
 from cluster.build import set_threads  # noqa: E402
