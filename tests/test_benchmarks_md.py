@@ -25,6 +25,13 @@ def test_every_cited_file_is_committed_and_names_its_machine():
         assert md.load(file)["machine"]["recorded"] in {"at run time", "backfilled from BENCHMARKS.md"}, file
 
 
+def test_bench_results_holds_only_what_benchmarks_md_cites():
+    cited = md.cited_files(md.TEMPLATE.read_text())
+    committed = {p.relative_to(ROOT / md.RESULTS).as_posix() for p in (ROOT / md.RESULTS).rglob("*.json")
+                 if p.name != "run.json"}
+    assert committed == cited, "cite a result file from bench/benchmarks_template.md, or leave it in bench/out"
+
+
 def test_every_result_file_carries_a_machine_record():
     for path in (ROOT / md.RESULTS).rglob("*.json"):
         if path.name != "run.json":
