@@ -83,10 +83,10 @@ def main(argv: list[str] | None = None) -> dict:
         runs.append({"period_ms": period, "busy_ms": busy, "background_cores": round(share, 3), "curve_ms": curve})
         print(f"background {load or 'none'} x {args.processes if load else 0}: "
               f"{ {k: round(v, 1) for k, v in curve.items()} }", flush=True)
-    result = {"config": args.config, "dtype": config.dtype, "torch_threads": config.torch_threads,
-              "processes": args.processes, "runs": runs}
+    result = with_machine({"config": args.config, "dtype": config.dtype, "torch_threads": config.torch_threads,
+                           "processes": args.processes, "runs": runs})
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(with_machine(result), indent=1) + "\n")
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
