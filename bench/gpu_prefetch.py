@@ -19,7 +19,7 @@ The target's greedy output is known without the engine (follow its rule from the
 token): every method must produce it (``outputs_follow_the_target``).
 
 Methods, interleaved per prompt: incremental decoding, the tree with prefetch off, the tree with
-prefetch on. Prints the table of BENCHMARKS.md's "Asynchronous SSM prefetch" (tokens/s, step ms,
+prefetch on. Prints the table of docs/benchmark-history.md's "Asynchronous SSM prefetch" (tokens/s, step ms,
 waiting for drafts, verify ms, hit rate, saved ms per step) and writes it as JSON.
 """
 

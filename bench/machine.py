@@ -1,7 +1,8 @@
 """Which machine a benchmark ran on: CPU model, the ISA flags that decide the kernels, GPU, commit.
 
 Result files written before this record existed carry ``{"recorded": "unknown"}`` or a record
-backfilled from BENCHMARKS.md's dated notes (``"recorded": "backfilled from BENCHMARKS.md"``).
+backfilled from the dated notes BENCHMARKS.md held, now docs/benchmark-history.md
+(``"recorded": "backfilled from BENCHMARKS.md"``).
 """
 
 from __future__ import annotations

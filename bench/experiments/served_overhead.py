@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.headline import PROMPTS, encode  # the headline prompts (BENCHMARKS.md)
+from bench.headline import PROMPTS, encode  # the headline prompts (docs/benchmark-history.md)
 from bench.machine import with_machine
 
 
