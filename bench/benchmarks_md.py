@@ -115,8 +115,8 @@ def fmt(value, spec: str = ".2f") -> str:
 
 
 def table(header: list[str], rows: list[list[str]], numeric_from: int = 1) -> str:
-    """A markdown table; columns from ``numeric_from`` on are right-aligned."""
-    align = ["---" if i < numeric_from else "---:" for i in range(len(header))]
+    """A markdown table; columns from ``numeric_from`` on are right-aligned, except a ``file`` column."""
+    align = ["---" if i < numeric_from or name == "file" else "---:" for i, name in enumerate(header)]
     lines = [header, align, *rows]
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
 
@@ -180,7 +180,7 @@ def load_table(*files: str) -> str:
                          fmt(level["aggregate_tokens_per_s"], ".1f"), fmt(plain["aggregate_tokens_per_s"], ".1f"),
                          fmt(level["aggregate_tokens_per_s"] / plain["aggregate_tokens_per_s"]),
                          fmt(level["ttft_ms_p50"], ".0f"), fmt(level["tree_nodes_mean"], ".1f")])
-    return table(["run", "streams", "tree tok/s", "incremental tok/s", "tree / incremental", "tree TTFT p50 ms",
+    return table(["run", "streams", "tree tok/s", "incremental tok/s", "tree / incremental tok/s", "tree TTFT p50 ms",
                   "tree nodes / step"], rows)
 
 
@@ -194,8 +194,8 @@ def gpu_sizes_table(*files: str) -> str:
                      fmt(tree["decode_tokens_per_s"] / plain["decode_tokens_per_s"]), fmt(plain["step_ms"], ".1f"),
                      f"{tree['draft_wait_ms']:.1f} + {tree['verify_ms']:.1f}", fmt(tree["tokens_per_step"]),
                      link(file)])
-    return table(["target + SSM shape", "plain decode tok/s", "tree decode tok/s", "tree / plain", "plain step ms",
-                  "tree drafting + verify ms", "tokens / step", "file"], rows)
+    return table(["target + SSM shape", "plain decode tok/s", "tree decode tok/s", "tree / plain tok/s",
+                  "plain step ms", "tree drafting + verify ms", "tokens / step", "file"], rows)
 
 
 def ensembles_table(file: str) -> str:
@@ -250,7 +250,8 @@ def memory_table(file: str) -> str:
     data = load(file)
     after = data["memory_mb_after"]
     rows = [[f"`{name}`", fmt(ready["VmRSS"], ".0f"), fmt(after[name]["VmRSS"], ".0f"), fmt(ready["RssAnon"], ".0f"),
-             fmt(ready["RssFile"], ".0f"), fmt(after[name]["VmHWM"], ".0f")] for name, ready in data["memory_mb_ready"].items()]
+             fmt(ready["RssFile"], ".0f"), fmt(after[name]["VmHWM"], ".0f")]
+            for name, ready in data["memory_mb_ready"].items()]
     return table(["process", "RSS ready", "RSS after", "anonymous (ready)", "file-mapped (ready)", "peak (VmHWM)"],
                  rows)
 
