@@ -13,6 +13,7 @@
 * ``cli``: the ``bench`` and ``experiment`` sub-commands (``cluster/cli.py`` registers them).
 
 The scripts beside these modules (``headline.py``, ``cost_curve.py``, ``gpu_verify_curve.py``,
-``paged_vs_padded.py``, ``load_plot.py``, ``load_batching.sh``) are run by hand; BENCHMARKS.md says how.
+``load_plot.py``, ``load_batching.sh``) are run by hand; docs/benchmarking.md says how. One-off
+probes are in ``bench/experiments/``; ``benchmarks_md`` writes BENCHMARKS.md from the results.
 Layers: ``bench`` imports ``engine``, ``cluster`` and ``settings``; none of them imports ``bench``.
 """

@@ -23,6 +23,7 @@ from actors.targets import load_target
 from cluster.build import set_threads
 from engine.budget import measure_target_curve
 from settings.config import load_config
+from bench.machine import with_machine
 
 # One background process: every period, spin for busy (both in seconds), until killed.
 SPIN = """import sys, time
@@ -82,8 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
         runs.append({"period_ms": period, "busy_ms": busy, "background_cores": round(share, 3), "curve_ms": curve})
         print(f"background {load or 'none'} x {args.processes if load else 0}: "
               f"{ {k: round(v, 1) for k, v in curve.items()} }", flush=True)
-    result = {"config": args.config, "dtype": config.dtype, "torch_threads": config.torch_threads,
-              "processes": args.processes, "runs": runs}
+    result = with_machine({"config": args.config, "dtype": config.dtype, "torch_threads": config.torch_threads,
+                           "processes": args.processes, "runs": runs})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result

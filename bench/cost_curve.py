@@ -22,6 +22,7 @@ from engine import kv
 from engine.target import TargetModel
 from engine.timing import median_ms
 from engine.tree import TokenTree
+from bench.machine import with_machine
 
 
 def chain_tree(size: int) -> TokenTree:
@@ -66,7 +67,7 @@ def main() -> None:
         print(model_config.name, {k: round(v, 1) for k, v in curve.items()}, flush=True)
         del model
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    args.out.write_text(json.dumps(with_machine(results), indent=2))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from .report import experiment_markdown, plot_ensembles
 from .run import BenchSettings, run_bench
 from .runners import LocalRunner, Runner, ServedRunner
 from .workloads import DEFAULT_MAX_PROMPT_TOKENS
+from .machine import with_machine
 
 
 OBJECT_STORE_BYTES = 512 * 2**20  # the served run's Ray object store: requests and replies are small
@@ -263,7 +264,7 @@ def write_experiment(out: Path, path: Path, experiment: ExperimentConfig, config
             "config": experiment.model_dump(mode="json"), "generation_hours": generation_hours,
             "rows": [asdict(r) for r in rows],
             "ensembles": [{**asdict(v), "beats_best_member": v.beats} for v in verdicts]}  # rows: ensemble, member
-    (out / "experiment.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    (out / "experiment.json").write_text(json.dumps(with_machine(data), indent=1) + "\n", encoding="utf-8")
     title = f"{path.name}: target {config.target.name} ({config.dtype})"
     markdown = experiment_markdown([asdict(r) for r in rows], title, experiment.proposer_names(),
                                    data["ensembles"], generation_hours)

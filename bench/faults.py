@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from bench.machine import with_machine
 
 PROMPTS = ["def quicksort(arr):\n", "The history of the printing press begins",
            "Explain what a KV cache is in two sentences."]
@@ -198,7 +199,7 @@ def report(results: list[FaultResult], options) -> None:
     print(json.dumps({k: v for k, v in summary.items() if k != "faults"}, indent=1))
     if options.out:
         options.out.parent.mkdir(parents=True, exist_ok=True)
-        options.out.write_text(json.dumps(summary, indent=1) + "\n")
+        options.out.write_text(json.dumps(with_machine(summary), indent=1) + "\n")
 
 
 if __name__ == "__main__":

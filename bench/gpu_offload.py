@@ -38,6 +38,7 @@ from engine.models import ModelSpec, truncate_layers  # noqa: E402
 from engine.offload import OffloadSpec, load_offloaded, streamer_of  # noqa: E402
 from engine.requests import GenerationRequest, SpeculationOptions  # noqa: E402
 from engine.target import TargetModel  # noqa: E402
+from bench.machine import with_machine  # noqa: E402
 
 SHAPES = {  # Qwen2.5-Coder-1.5B's shape; "tiny" for a CPU smoke test
     "qwen2.5-1.5b": {"vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
@@ -138,7 +139,7 @@ def main() -> int:
               "shape": args.shape, "resident_layers": args.resident_layers, "prefetch_layers": args.prefetch_layers,
               "curves_ms": curves, "rows": rows,
               "outputs_equal_incremental": [r["token_ids"] == rows[0]["token_ids"] for r in rows]}
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(with_machine(result), indent=1))
     print("tokens/pass -> ms (streamed | resident): " + ", ".join(
         f"{n}: {curves['streamed'][n]:.1f} | {curves['resident'][n]:.1f}" for n in sizes))
     print("| method | ms/token | speedup | tokens/pass | MB copied/token | peak host RSS MB | peak GPU MB |")

@@ -19,7 +19,7 @@ The target's greedy output is known without the engine (follow its rule from the
 token): every method must produce it (``outputs_follow_the_target``).
 
 Methods, interleaved per prompt: incremental decoding, the tree with prefetch off, the tree with
-prefetch on. Prints the table of BENCHMARKS.md's "Asynchronous SSM prefetch" (tokens/s, step ms,
+prefetch on. Prints the table of docs/benchmark-history.md's "Asynchronous SSM prefetch" (tokens/s, step ms,
 waiting for drafts, verify ms, hit rate, saved ms per step) and writes it as JSON.
 """
 
@@ -45,6 +45,7 @@ from engine.graphed_models import GraphedDrafter, GraphedTarget  # noqa: E402
 from engine.graphs import GraphRunner  # noqa: E402
 from engine.requests import GenerationRequest, SpeculationOptions  # noqa: E402
 from engine.target import TargetModel  # noqa: E402
+from bench.machine import with_machine  # noqa: E402
 
 QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768, "tie_word_embeddings": False}
 QWEN_05B = {**QWEN, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
               "prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "graph_capture_s": capture_s,
               "outputs_follow_the_target": all(r["follows_the_target"] for r in rows),
               "table": summarize(rows, methods), "rows": rows}
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(with_machine(result), indent=1))
     print(f"{device}, {args.shape}, {args.dtype}, agreement {args.agreement}, {args.prompts} prompts x {args.tokens} "
           f"tokens; every output is the target's own: {result['outputs_follow_the_target']}; "
           f"capturing the graphs took {capture_s:.1f} s")

@@ -43,6 +43,7 @@ from engine.generate import SpeculativeEngine  # noqa: E402
 from engine.requests import GenerationRequest  # noqa: E402
 from engine.target import TargetModel  # noqa: E402
 from engine.tree import attention_bias  # noqa: E402
+from bench.machine import with_machine  # noqa: E402
 
 
 class Timings:
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     for row in result["phases"]:
         print(f"| {row['label']} | {row['calls_per_step']:.1f} | {row['host_ms_median']:.2f} "
               f"| {row['drain_ms_median']:.2f} | {row['ms_per_step']:.1f} |")
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(with_machine(result), indent=1))
     return result
 
 

@@ -29,6 +29,7 @@ from bench.gpu_common import synchronize  # noqa: E402
 from engine import kv  # noqa: E402
 from engine.target import TargetModel  # noqa: E402
 from engine.tree import TokenTree  # noqa: E402
+from bench.machine import with_machine  # noqa: E402
 
 SHAPES = {  # Llama-3-8B's shape; "tiny" for a CPU smoke test
     "llama-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
               "torch": torch.__version__, "python": platform.python_version(), "decode_ms_per_token": curve.get(1),
               "verify_ms": curve, "wall_s": time.perf_counter() - began}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(with_machine(result), indent=2))
     return result
 
 

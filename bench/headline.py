@@ -21,6 +21,7 @@ from cluster.build import build_engine, forget_responses, speculation_options
 from settings.config import load_config
 from engine.requests import GenerationRequest
 from engine.sampling import SamplingParams
+from bench.machine import with_machine
 
 PROMPTS = {
     "code": ("def quicksort(arr):\n", False),
@@ -106,7 +107,7 @@ def main() -> None:
     if not args.skip_sampling:
         result["sampling_temperature_1"] = sampling_rows(engine, base, args.seeds, 48)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(with_machine(result), indent=1))
 
 
 if __name__ == "__main__":

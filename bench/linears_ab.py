@@ -21,6 +21,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from bench.machine import with_machine
 
 
 def build_runners(config_path: str, settings: list[str], dtype: str | None):
@@ -107,9 +108,9 @@ def main(argv=None) -> int:
     print(json.dumps(summary, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"config": args.config, "dataset": args.dataset, "settings": names,
-                                        "max_new_tokens": args.max_new_tokens, "rows": rows,
-                                        "summary": summary}, indent=1) + "\n")
+        result = {"config": args.config, "dataset": args.dataset, "settings": names,
+                  "max_new_tokens": args.max_new_tokens, "rows": rows, "summary": summary}
+        args.out.write_text(json.dumps(with_machine(result), indent=1) + "\n")
     return 0
 
 

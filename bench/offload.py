@@ -36,6 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench.report import bar_panels, optional
+from bench.machine import with_machine
 
 logger = logging.getLogger("bench.offload")
 
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "direct_read_mbps": mbps, "summary": summarize(rows), "outputs_equal_incremental": outputs_equal(rows),
         "deepspeed": deepspeed_status(), "rows": [asdict(r) for r in rows],
     }
-    (args.out / "results.json").write_text(json.dumps(result, indent=1))
+    (args.out / "results.json").write_text(json.dumps(with_machine(result), indent=1))
     (args.out / "results.md").write_text(markdown(result))
     plot(result["summary"], args.out / "offload.png")
     print(markdown(result))

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from bench.report import bar_panels, optional
 from settings.config import APP_NAME
+from bench.machine import with_machine
 
 logger = logging.getLogger("bench.prefetch")
 
@@ -195,7 +196,7 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def write(out: Path, result: dict) -> None:
-    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "results.json").write_text(json.dumps(with_machine(result), indent=1))
     (out / "results.md").write_text(markdown(result))
     plot(result["summary"], out / "prefetch.png")
     print(markdown(result))

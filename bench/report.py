@@ -147,6 +147,15 @@ def write_outputs(out: Path, results: dict) -> list[Path]:
     return [out / "results.json", out / "results.md", *plots]
 
 
+def machine_lines(machine: dict | None) -> list[str]:
+    """One line naming the CPU, its native-bf16/AMX flags, the GPU and the commit, when recorded."""
+    if not machine:
+        return []
+    isa = ", ".join(flag for flag, present in machine.get("isa", {}).items() if present) or "none recorded"
+    return [f"CPU {machine.get('cpu_model') or 'unknown'} ({isa}); GPU {machine.get('gpu') or 'none'}; "
+            f"commit {machine.get('commit') or 'unknown'}."]
+
+
 def write_markdown(path: Path, results: dict, plots: Sequence[Path] = ()) -> None:
     run, env = results["settings"], results["environment"]
     sampling = run["sampling"]
@@ -159,7 +168,8 @@ def write_markdown(path: Path, results: dict, plots: Sequence[Path] = ()) -> Non
              f"tokens, {decoding}, {'gRPC ' + run['via'] if run['via'] else 'in-process'}; proposers "
              f"{', '.join(run['proposers']) or 'none'}, default schedule {run['expansion']}.",
              f"Machine: {env['processor']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
-             f"torch threads {env['torch_threads']}, transformers {env['transformers']}; {env['time']}.", "",
+             f"torch threads {env['torch_threads']}, transformers {env['transformers']}; {env['time']}.",
+             *machine_lines(results.get("machine")), "",
              "Medians over prompts, p25-p75 in brackets. ms / token is wall time (prefill included) / new "
              "tokens; speedup is the median of per-prompt ratios to `incremental`"
              + (" (or `hf-assisted`)" if _compares_with_peer(results["summary"]) else "") + " on the same prompt.", "",

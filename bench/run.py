@@ -21,6 +21,7 @@ from engine.sampling import SamplingParams
 from settings.config import EngineConfig, load_config
 
 from .load import LoadPlan, run_load
+from .machine import machine
 from .methods import GREEDY_METHODS, Method, Proposers, resolve_methods
 from .report import write_outputs
 from .rows import RowStore
@@ -203,6 +204,7 @@ def run_bench(settings: BenchSettings, config: EngineConfig | None = None, runne
     logger.info("%d of %d generations to run", len(pending), len(methods) * len(workload))
     run_pairs(settings, config, runner, pending, store)
     results = {"settings": run_section(settings, config, methods, len(workload)), "environment": environment(),
+               "machine": machine(),
                **summarize(store.rows, methods, workload, Proposers.from_config(config).names)}
     if settings.repeat > 1:
         results["passes"] = pass_summary(results["per_prompt"], methods)

@@ -33,6 +33,7 @@ from engine.packed import PagedModel, chain_item
 from engine.paged_models import forward_or_raise
 from engine.timing import median_ms
 from settings.config import load_config
+from bench.machine import with_machine
 
 
 def time_prefill(model: PagedModel, prompts: list[list[int]], repeats: int) -> float:
@@ -79,7 +80,7 @@ def main() -> None:
               "floor_ms": floor, "ttft_floor_p50_ms": float(p50), "ttft_floor_p95_ms": float(p95)}
     print(json.dumps({k: v if not isinstance(v, list) else [round(x, 1) for x in v] for k, v in result.items()}, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(with_machine(result), indent=2))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from concurrent import futures
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from bench.methods import Proposers, parse_method
@@ -272,6 +273,7 @@ def test_bench_end_to_end_fp32_exact_and_resumable(bench_config, prompts_file, t
     results = json.loads((out / "results.json").read_text())
     assert list(results["summary"]) == methods
     assert len(results["per_prompt"]) == 3 * len(methods)
+    assert results["machine"]["torch_threads"] == torch.get_num_threads() and "avx2" in results["machine"]["isa"]
     for method, summary in results["summary"].items():
         assert summary["outputs_match_incremental"] == 1.0, method  # fp32: every method is exact
         assert all(v is None for v in summary["first_divergence"].values())
@@ -287,6 +289,7 @@ def test_bench_end_to_end_fp32_exact_and_resumable(bench_config, prompts_file, t
     assert set(results["summary"]["tree"]["accepted_per_proposer"]) <= {"layer1"}
     markdown = (out / "results.md").read_text()
     assert "| `ensemble` |" in markdown and "speedup vs incremental" in markdown
+    assert f"commit {results['machine']['commit']}." in markdown
     for name in ("speedup", "accepted_lengths", "acceptance_by_depth", "proposer_share"):
         assert (out / f"{name}.png").stat().st_size > 1000
     assert len((out / "rows.jsonl").read_text().splitlines()) == 3 * len(methods)
@@ -624,7 +627,8 @@ def test_gpu_verify_curve_runs_on_cpu_tiny(tmp_path):
     out = tmp_path / "curve.json"
     result = _gpu_verify_curve().main(["--shape", "tiny", "--device", "cpu", "--sizes", "1,4,16", "--repeats", "1",
                                        "--prefix", "64", "--out", str(out)])
-    assert json.loads(out.read_text())["verify_ms"].keys() == {"1", "4", "16"}
+    written = json.loads(out.read_text())
+    assert written["verify_ms"].keys() == {"1", "4", "16"} and written["machine"]["torch_threads"] == torch.get_num_threads()
     assert result["decode_ms_per_token"] == result["verify_ms"][1] > 0
 
 
@@ -783,4 +787,5 @@ def test_background_load_measures_each_level_and_stops_its_spinners(bench_config
     assert [(r["period_ms"], r["busy_ms"]) for r in result["runs"]] == [(None, None), (5.0, 1.0), (None, None)]
     assert all(set(r["curve_ms"]) == {1, 2} and min(r["curve_ms"].values()) > 0 for r in result["runs"])
     assert result["runs"][1]["background_cores"] == pytest.approx(2 * 1 / 6, abs=1e-3)
-    assert len(started) == 2 and all(p.poll() is not None for p in started)
+    spinners = [p for p in started if p.args[0] != "git"]  # the machine record asks git for the commit
+    assert len(spinners) == 2 and all(p.poll() is not None for p in spinners)
