@@ -6,25 +6,23 @@ result. Who runs the forwards is not the program's business:
 
 * ``run_alone`` runs each forward as it comes (one request, no batching: ``specinfer generate``);
 * ``drive`` hands each forward to a function (a thread-gathering batcher);
-* ``Rounds`` advances many programs together: each round runs one forward per runner over every
-  waiting program's item (``engine.loop``: one packed SSM forward per tree level for the whole
-  batch, one packed target pass per iteration), with no threads and no clocks.
+* ``run_round`` / ``run_rounds`` advance many programs together: each round runs one batch per
+  runner over every waiting program's item (``engine.loop``: one packed SSM forward per tree level
+  for the whole batch, one packed target pass per iteration), with no threads and no clocks.
 
 A ``Forward`` names its ``runner``: the object whose ``forward(items)`` runs a batch of such
 items and returns, per item, its logits or its own error (``engine.packed.PackedModel``). Models
 without a packed forward yield ``alone(call)``: a zero-argument callable run by ``ALONE``.
 
 Example: a program ``p`` that yields ``Forward(m, a)`` then ``Forward(m, b)`` and returns the sum
-of its two results, and a program ``q`` that yields ``Forward(m, c)`` once: ``Rounds([p, q])``
-runs ``m.forward([a, c])``, then ``m.forward([b])``.
+of its two results, and a program ``q`` that yields ``Forward(m, c)`` once: ``run_rounds`` over
+both runs ``m.forward([a, c])``, then ``m.forward([b])``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Protocol, Sequence
-
-import torch
 
 
 class Runner(Protocol):
@@ -152,7 +150,3 @@ def run_rounds(programs: Sequence[Running]) -> int:
         run_round(programs)
         rounds += 1
     return rounds
-
-
-def as_cpu(logits: torch.Tensor) -> torch.Tensor:
-    return logits.cpu()

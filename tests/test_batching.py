@@ -153,22 +153,6 @@ def test_eos_inside_trees_and_a_cancel_mid_run(models):
     assert all(pool.num_free == pool.num_blocks for pool in pools(engine))
 
 
-def test_failed_request_returns_its_blocks(models, monkeypatch):
-    engine = batched_engine(models)
-    original = PagedDrafter._level_program
-
-    def fail_for_long_prompts(self, state, builder, level, cached, depth, committed_length):
-        if committed_length > 40:
-            raise RuntimeError("injected SSM failure")
-        return (yield from original(self, state, builder, level, cached, depth, committed_length))
-
-    monkeypatch.setattr(PagedDrafter, "_level_program", fail_for_long_prompts)
-    with pytest.raises(RuntimeError, match="injected"):
-        engine.generate(GenerationRequest(tuple(range(1, 50)), 10, speculation=TREE))
-    assert engine.generate(GenerationRequest(tuple(range(1, 10)), 10, speculation=TREE)).token_ids
-    assert all(pool.num_free == pool.num_blocks for pool in pools(engine))
-
-
 def test_sampled_requests_with_different_settings_in_one_batch_are_reproducible(models):
     engine = batched_engine(models)
     settings_ = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_k=10, seed=2),

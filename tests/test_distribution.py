@@ -497,7 +497,8 @@ def tiny_engine(tiny_models) -> SpeculativeEngine:
 
 @pytest.fixture(scope="module")
 def tiny_batched_engine(tiny_models) -> SpeculativeEngine:
-    """The same models over paged KV pools, forwards batched across request threads."""
+    """The same models over paged KV pools, run by the engine loop 16 requests at a time."""
+    from engine.loop import LoopLimits
     from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 
     target, ssm = tiny_models
@@ -505,15 +506,23 @@ def tiny_batched_engine(tiny_models) -> SpeculativeEngine:
     ssm_pool, ssm_batcher = paged_parts(ssm, 4096)
     drafters = [PagedDrafter(ssm, 0, "ssm", ssm_pool, ssm_batcher)]
     return SpeculativeEngine(PagedTarget(target, target_pool, target_batcher), drafters, tiny_tokenizer(E2E_VOCAB),
-                             eos_ids=())
+                             eos_ids=(), limits=LoopLimits(max_running=16, max_waiting=E2E_SAMPLES))
 
 
-def generate_batched(engine: SpeculativeEngine, requests: list[GenerationRequest], threads: int = 4) -> list:
-    """Results of ``requests`` run ``threads`` at a time, so their forwards share batches."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(engine.generate, requests))
+def generate_batched(engine: SpeculativeEngine, requests: list[GenerationRequest]) -> tuple[list, int]:
+    """Every request submitted to the engine loop at once, the loop stepped by hand until all have
+    finished: (each request's last update, the most requests one iteration ran)."""
+    loop = engine.loop
+    ids = [loop.submit(request) for request in requests]
+    last, most = {}, 0
+    while loop.has_work:
+        most = max(most, loop.step().running)
+        for request_id in ids:
+            if request_id in loop.requests:
+                for update in loop.take(request_id):
+                    tokens = last.get(request_id, ((), None))[0] + update.token_ids
+                    last[request_id] = (tokens, update.stats)
+    return [last[i] for i in ids], most
 
 
 @torch.inference_mode()
@@ -539,18 +548,40 @@ def test_engine_first_two_tokens_are_target_distributed(tiny_engine, tiny_batche
                                                         sampling, batched):
     requests = [GenerationRequest(E2E_PROMPT, 2, replace(sampling, seed=seed), options) for seed in range(E2E_SAMPLES)]
     if batched:
-        tiny_batched_engine.target.batcher.hold_next(2)  # the first two requests share a forward, certainly
-        results = generate_batched(tiny_batched_engine, requests)
-        assert tiny_batched_engine.target.batcher.counters.largest >= 2
+        results, most = generate_batched(tiny_batched_engine, requests)
+        assert most == 16  # requests shared their passes
     else:
-        results = [tiny_engine.generate(request) for request in requests]
-    samples = [r.token_ids for r in results]
-    accepted = sum(r.stats.accepted_tokens for r in results)
+        results = [(r.token_ids, r.stats) for r in map(tiny_engine.generate, requests)]
+    samples = [tokens for tokens, _ in results]
+    accepted = sum(stats.accepted_tokens for _, stats in results)
     result = chi_square(samples, target_first_two(tiny_models[0], E2E_PROMPT, sampling))
     report(f"end-to-end {name}{' batched' if batched else ''}", result)
     print(f"     {accepted} draft tokens accepted over {E2E_SAMPLES} requests")
     assert result.pvalue > THRESHOLD
     assert accepted > 0.15 * E2E_SAMPLES  # speculation really happened
+
+
+def accept_first_draws(proposal, target_probs: torch.Tensor, generator) -> Verdict:  # target_probs [N, V]
+    """NEGATIVE CONTROL, deliberately wrong: the first child of every node accepted whatever the target
+    says, then a bonus token from p."""
+    kids, node, path = children(proposal.tree.parents), 0, [0]
+    while kids[node]:
+        node = kids[node][0]
+        path.append(node)
+    return Verdict(tuple(path), int(torch.multinomial(target_probs[node].float(), 1, generator=generator)), True)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_biased_verifier_in_the_loop_is_rejected_at_the_same_size(tiny_batched_engine, tiny_models, monkeypatch):
+    """Negative control of the end-to-end cases through the loop: the same requests, sample size and
+    chi-square test reject a verifier that accepts every first draw."""
+    name, options, sampling = E2E_CASES[1]
+    monkeypatch.setattr("engine.step.verify_stochastic", accept_first_draws)
+    requests = [GenerationRequest(E2E_PROMPT, 2, replace(sampling, seed=seed), options) for seed in range(E2E_SAMPLES)]
+    results, _ = generate_batched(tiny_batched_engine, requests)
+    result = chi_square([tokens for tokens, _ in results], target_first_two(tiny_models[0], E2E_PROMPT, sampling))
+    report(f"NEGATIVE CONTROL end-to-end {name} batched, first draws accepted", result)
+    assert result.pvalue < THRESHOLD
 
 
 REPRO_OPTIONS = [

@@ -179,6 +179,9 @@ def test_a_failed_draft_ends_its_request_and_the_others_go_on(models, monkeypatc
         loop.take(bad)
     assert outputs[good] == reference_greedy(models[0], list(range(1, 10)), 10)
     assert pools_whole(loop)
+    with pytest.raises(RuntimeError, match="injected"):  # a caller of stream sees the error too
+        list(loop.stream(GenerationRequest(tuple(range(1, 50)), 10, speculation=TREE)))
+    assert pools_whole(loop) and not loop.requests
 
 
 def test_cancel_while_waiting_and_while_running_gives_the_blocks_back(models):
