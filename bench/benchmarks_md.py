@@ -184,6 +184,21 @@ def load_table(*files: str) -> str:
                   "tree nodes / step"], rows)
 
 
+def loop_load_table(*files: str) -> str:
+    """The in-process engine loop under load (``bench/loop_load.py``): each level and method, its
+    ratio against incremental's tok/s, and where an iteration's time goes."""
+    rows = []
+    for file in files:
+        for level in load(file)["levels"]:
+            limit = level.get("of_limit")
+            rows.append([str(level["streams"]), f"`{level['method']}`", fmt(level["aggregate_tokens_per_s"], ".1f"),
+                         fmt(level["vs_incremental"]), fmt(level["ttft_ms_p50"], ".0f"),
+                         fmt(level["tokens_per_pass"]), fmt(level["phase_ms"]["draft"], ".0f"),
+                         fmt(level["phase_ms"]["verify"], ".0f"), fmt(limit) if limit else "", link(file)])
+    return table(["streams", "method", "tok/s", "vs incremental tok/s", "TTFT p50 ms", "tokens / pass",
+                  "draft ms / iteration", "verify ms / iteration", "of the forward limit", "file"], rows)
+
+
 def gpu_sizes_table(*files: str) -> str:
     """Tree against plain decoding over CUDA graphs, one row per target shape."""
     rows = []
@@ -257,7 +272,8 @@ def memory_table(file: str) -> str:
 
 
 TABLES: dict[str, Callable[..., str]] = {
-    "methods": methods_table, "load": load_table, "gpu_sizes": gpu_sizes_table, "ensembles": ensembles_table,
+    "methods": methods_table, "load": load_table, "loop_load": loop_load_table, "gpu_sizes": gpu_sizes_table,
+    "ensembles": ensembles_table,
     "cost": cost_table, "ab": ab_table, "passes": passes_table, "memory": memory_table,
 }
 

@@ -13,10 +13,10 @@ Figures per (method, level), written to ``OUT/loop_load.json`` and ``OUT/loop_lo
 
 * ``aggregate_tokens_per_s``: every request's new tokens / the level's wall time;
 * ``ttft_ms_p50``: from submission to the request's first token;
-* ``tokens_per_pass``: new tokens per target pass (iteration);
+* ``tokens_per_pass``: new tokens per target pass (one per iteration);
 * ``forward_limit_tokens_per_s`` (incremental): S tokens per pass at the measured verify-cost of an
   S-token pass, the most plain decoding could reach; ``of_limit``: incremental's share of it;
-* ``phase_ms``: an iteration's mean ms per phase (schedule, draft, merge, verify, commit) and the
+* ``phase_ms``: an iteration's mean ms per phase (schedule, draft and merge, verify, commit) and the
   mean running requests: where the time goes.
 
 The ratio against incremental is the level's aggregate tokens per second over incremental's.
@@ -75,7 +75,7 @@ def level_figures(method: str, streams: int, wall_s: float, tokens: dict, first:
     phases = {phase: statistics.fmean(s.ms[phase] for s in iterations) for phase in iterations[0].ms}
     return {"method": method, "streams": streams, "wall_s": wall_s, "new_tokens": total,
             "aggregate_tokens_per_s": total / wall_s, "ttft_ms_p50": statistics.median(first.values()),
-            "iterations": len(iterations), "tokens_per_pass": total / max(1, sum(s.target_passes for s in iterations)),
+            "iterations": len(iterations), "tokens_per_pass": total / len(iterations),
             "drafted_per_iteration": statistics.fmean(s.drafted_tokens for s in iterations),
             "running_mean": statistics.fmean(s.running for s in iterations),
             "phase_ms": phases, "outputs": {str(k): v for k, v in outputs.items()}}

@@ -7,7 +7,8 @@ from typing import Callable, Iterator, Sequence
 
 from .draft import ModelDrafter
 from .graphed_models import GraphedTarget
-from .loop import EngineLoop, LoopLimits
+from .local_executor import local_loop
+from .loop import LoopLimits
 from .prefetch import Ahead
 from .requests import GenerationRequest, GenerationResult, StepOutcome, StepUpdate
 from .step import (TARGET_STREAM, Assignment, Drafted, Session, draft_with, first_token, iterate_sync,
@@ -92,7 +93,7 @@ class SpeculativeEngine:
         self.pool = ThreadPoolExecutor(max(1, len(self.drafters)), thread_name_prefix="prefetch")
         if limits is None:
             limits = LoopLimits(max_running=1) if isinstance(target, GraphedTarget) else LoopLimits()
-        self.loop = EngineLoop(target, self.drafters, tokenizer, self.eos_ids, limits, cost, tree_budget)
+        self.loop = local_loop(target, self.drafters, tokenizer, self.eos_ids, limits, cost, tree_budget)
 
     def check_request(self, request: GenerationRequest) -> None:
         if not request.prompt_ids:

@@ -19,8 +19,11 @@ Nothing waits on a clock: whoever calls ``step`` decides when the next pass runs
 the loop by hand. ``stream`` serves one request from a caller's thread, stepping the loop for
 everyone while it waits (a lock lets several threads share one loop).
 
-Targets and drafters without a packed forward (a DynamicCache, CUDA graphs, tensor-parallel ranks)
-run their items one by one (``engine.programs.ALONE``): the same phases, unbatched.
+Where the models run is the ``Executor``'s business: ``engine.local_executor.LocalExecutor`` runs
+them in this process (targets and drafters without a packed forward, such as a DynamicCache, CUDA
+graphs or tensor-parallel ranks, run their items one by one: the same phases, unbatched); an
+executor over Ray actors sends each phase to them as one call per actor. The core is async so that
+a remote executor can await its actors; ``step`` drives it where the executor never suspends.
 """
 
 from __future__ import annotations
@@ -30,23 +33,17 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
 from .budget import RunningLoad
-from .draft import ModelDrafter
 from .kv_pool import PoolExhausted
-from .paged_models import PagedTarget
-from .programs import Running, run_round, run_rounds, start
 from .requests import GenerationRequest, StepOutcome, StepUpdate
-from .sampling import make_generator
 from .shape import TreeCost
-from .step import (TARGET_STREAM, Drafted, Session, StepPlan, draft_with, first_token, merge_drafts, plan_proposers,
-                   root_only_proposal, tree_reservation, verify_program)
-from .target import Target
+from .step import Assignment, Session, StepPlan, plan_proposers, run_sync, tree_reservation
 
-PHASES = ("schedule", "draft", "merge", "verify", "commit")  # where an iteration's time goes (IterationStats.ms)
+PHASES = ("schedule", "draft", "verify", "commit")  # where an iteration's time goes (IterationStats.ms)
 
 
 class QueueFull(RuntimeError):
@@ -74,7 +71,8 @@ class LoopLimits:
 @dataclass(frozen=True)
 class IterationStats:
     """One iteration, for metrics: requests running and waiting after it, the target's KV blocks in
-    use (None without a pool), drafted and accepted tokens, the passes it ran, and ms per phase."""
+    use (None without a pool), drafted, accepted, emitted and prompt tokens, and ms per phase
+    (draft: drafting and merging; verify: the target pass, verification and commit)."""
 
     iteration: int
     running: int
@@ -86,41 +84,74 @@ class IterationStats:
     accepted_tokens: int
     emitted_tokens: int
     prompt_tokens: int
-    target_passes: int
-    draft_rounds: int
     ms: dict[str, float]
+
+
+@dataclass(frozen=True)
+class DraftJob:
+    """One request's drafting this iteration: its committed tokens (the root last) and who drafts."""
+
+    request_id: int
+    committed: tuple[int, ...]
+    assignments: tuple[Assignment, ...]
+
+
+class Executor(Protocol):
+    """Where the models run: each request's states, and the iteration's phases for all requests at
+    once. ``names`` / ``neural``: the proposers in proposer order (neural: a model)."""
+
+    names: tuple[str, ...]
+    neural: tuple[bool, ...]
+
+    def admit(self, request_id: int, request: GenerationRequest, reserve_tokens: int) -> bool:
+        """Create the request's states, reserving ``reserve_tokens`` of KV memory, and start its
+        prefill (in chunks of the loop's ``chunk_tokens``); False while the memory is not there."""
+
+    async def draft(self, jobs: list[DraftJob]) -> object:
+        """Every job's proposers draft and the drafts are merged per request, in proposer order: a
+        handle that ``verify`` takes (the merged trees, or where they will be)."""
+
+    async def verify(self, drafted: object, trees: list[int], chunks: list[int]) -> dict[int, object]:
+        """One target pass over the ``trees`` requests' merged trees and the next prompt chunk of
+        each ``chunks`` request; per request: a StepOutcome (tree), the first token (int, a prompt
+        now in) or None (more chunks to come), or the exception that ends that request alone."""
+
+    def release(self, request_id: int) -> None:
+        """Drop the request's states everywhere (idempotent)."""
+
+    def kv_blocks(self) -> tuple[int, int] | None:
+        """(used, total) blocks of the target's KV pool; None without one."""
 
 
 @dataclass
 class LoopRequest:
-    """A request as the loop holds it: its session (plan, statistics, text), its states on the target
-    and on each proposer, its target generator, its prefill under way, and its outbox."""
+    """A request as the loop holds it: its session (plan, statistics, text), what is left of its
+    prompt to feed, and its outbox (its states live in the executor)."""
 
     id: int
     request: GenerationRequest
     session: Session | None = None
-    target_state: object | None = None
-    proposer_states: dict[int, object] = field(default_factory=dict)
-    generator: torch.Generator | None = None
-    prefill: Running | None = None
     prompt_left: int = 0
     outbox: deque = field(default_factory=deque)
     error: BaseException | None = None
     finished: bool = False
 
+    @property
+    def prefilling(self) -> bool:
+        return self.prompt_left > 0
+
 
 class EngineLoop:
-    """The loop over one target and its proposers (in proposer order). ``cost``: the cost model of
-    cost-aware shapes (None: schedules); ``tree_budget(running)``: the most nodes a tree may have
-    with that many running requests (None: the request's own limit)."""
+    """The loop over an executor (``engine.local_executor.local_loop`` builds one over models in
+    this process). ``cost``: the cost model of cost-aware shapes (None: schedules);
+    ``tree_budget(running)``: the most nodes a tree may have with that many running requests (None:
+    the request's own limit)."""
 
-    def __init__(self, target: Target, drafters: Sequence[object], tokenizer, eos_ids,
-                 limits: LoopLimits = LoopLimits(), cost: TreeCost | None = None,
-                 tree_budget: Callable[[int], int | None] | None = None):
-        self.target, self.drafters, self.tokenizer = target, list(drafters), tokenizer
+    def __init__(self, executor: Executor, tokenizer, eos_ids, limits: LoopLimits = LoopLimits(),
+                 cost: TreeCost | None = None, tree_budget: Callable[[int], int | None] | None = None):
+        self.executor, self.tokenizer = executor, tokenizer
         self.eos_ids, self.limits, self.cost, self.tree_budget = frozenset(eos_ids), limits, cost, tree_budget
-        self.names = tuple(d.name for d in self.drafters)
-        self.neural = tuple(isinstance(d, ModelDrafter) for d in self.drafters)
+        self.names, self.neural = executor.names, executor.neural
         self.load = RunningLoad() if cost is not None else None
         self.waiting: deque[LoopRequest] = deque()
         self.running: list[LoopRequest] = []
@@ -192,43 +223,47 @@ class EngineLoop:
 
     # -- One iteration. -----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self) -> IterationStats:
+        """One iteration, where the executor never suspends (in this process)."""
+        return run_sync(self.step_async())
+
+    @torch.inference_mode()
+    async def step_async(self) -> IterationStats:
         """Run one iteration over every running request (see the module's docstring)."""
         with self.lock:
             clock, self._emitted = _PhaseClock(), 0
             self.running = [r for r in self.running if not r.finished]  # cancelled since the last iteration
             self._admit()
-            decoding = [r for r in self.running if r.prefill is None]
+            decoding = [r for r in self.running if not r.prefilling]
             plans = {r.id: r.session.plan_step() for r in decoding}
             clock.lap("schedule")
-            drafts, rounds = self._draft(decoding, plans)
-            decoding = [r for r in decoding if r.error is None]  # a failed draft ends its request alone
+            jobs = [DraftJob(r.id, tuple(r.session.committed), plans[r.id].assignments) for r in decoding]
+            drafted = await self.executor.draft(jobs)
             clock.lap("draft")
-            merged = {r.id: self._merge(r, drafts[r.id], clock.ms["draft"]) for r in decoding}
-            clock.lap("merge")
-            verifying = {r.id: start(verify_program(self.target, r.target_state, merged[r.id], r.request.sampling,
-                                                    r.generator)) for r in decoding}
             chunks = self._chunks_this_pass()
-            passes = run_round(list(verifying.values()) + [r.prefill for r in chunks])
+            results = await self.executor.verify(drafted, [r.id for r in decoding], [r.id for r in chunks])
             clock.lap("verify")
-            counts = self._commit(decoding, plans, verifying, chunks, clock.ms)
+            counts = self._commit(decoding, plans, chunks, results, clock.ms)
             clock.lap("commit")
-            return self._record(counts, passes, rounds, clock.ms)
+            return self._record(counts, clock.ms)
 
     def _admit(self) -> None:
-        """Waiting requests join, in order, while the batch limit and the target's pool allow."""
+        """Waiting requests join, in order, while the batch limit and the KV memory allow."""
         while self.waiting and len(self.running) < self.limits.max_running:
             entry = self.waiting[0]
             try:
-                entry.target_state = self.target.new_state(self._reservation(entry.request))
-            except PoolExhausted as error:
-                if self.running:
-                    return  # it waits for blocks the running requests give back
-                self.waiting.popleft()  # it cannot fit even alone
+                admitted = self.executor.admit(entry.id, entry.request, self._reservation(entry.request))
+            except Exception as error:  # the request's own fault (its prompt, say): it fails alone
+                self.waiting.popleft()
                 self._fail(entry, error)
                 continue
+            if not admitted and self.running:
+                return  # it waits for the memory the running requests give back
             self.waiting.popleft()
+            if not admitted:  # it cannot fit even alone
+                self._fail(entry, PoolExhausted(f"the request needs {self._reservation(entry.request)} tokens of "
+                                                "KV cache (prompt + max_new_tokens + tree), more than the pool holds"))
+                continue
             self._start(entry)
 
     def _start(self, entry: LoopRequest) -> None:
@@ -236,58 +271,20 @@ class EngineLoop:
         budget = None if self.tree_budget is None else (lambda: self.tree_budget(len(self.running)))
         entry.session = Session(None, request, self.names, self.neural, self.tokenizer, self.eos_ids,
                                 budget or (lambda: None), self.cost, self.load)
-        entry.generator = make_generator(request.sampling.seed, TARGET_STREAM)
-        entry.prefill = start(self.target.prefill_program(entry.target_state, list(request.prompt_ids),
-                                                          self.limits.chunk_tokens))
         entry.prompt_left = len(request.prompt_ids)
         self.running.append(entry)
-        if entry.prefill.error is not None:
-            self._fail(entry, entry.prefill.error)
 
     def _reservation(self, request: GenerationRequest) -> int:
         """KV entries a request can need at most: prompt, new tokens and one step's merged tree."""
         plan = plan_proposers(self.names, self.neural, request.speculation, request.sampling, self.cost)
         return len(request.prompt_ids) + request.max_new_tokens + tree_reservation(plan)
 
-    def _draft(self, decoding: list[LoopRequest], plans: dict[int, StepPlan]) -> tuple[dict[int, dict], int]:
-        """Every planned proposer's tree per request ({request: {proposer: Drafted}}) and the rounds
-        run: neural SSMs together, one packed forward per SSM per tree level."""
-        drafts: dict[int, dict[int, Drafted]] = {r.id: {} for r in decoding}
-        programs: list[tuple[LoopRequest, int, Running]] = []
-        for r in decoding:
-            committed = r.session.committed
-            for assignment in plans[r.id].assignments:
-                drafter, state = self.drafters[assignment.proposer], self._proposer_state(r, assignment.proposer)
-                generator = assignment.generator(len(committed))
-                if self.neural[assignment.proposer]:
-                    program = drafter.draft_program(state, committed, assignment.spec, generator)
-                    programs.append((r, assignment.proposer, start(program)))
-                else:
-                    drafts[r.id][assignment.proposer] = draft_with(drafter, state, committed, assignment.spec, generator)
-        rounds = run_rounds([running for _, _, running in programs])
-        for r, proposer, running in programs:
-            if running.error is not None:
-                self._fail(r, running.error)
-            else:
-                drafts[r.id][proposer] = Drafted(running.result)
-        return drafts, rounds
-
-    def _proposer_state(self, entry: LoopRequest, proposer: int):
-        if proposer not in entry.proposer_states:
-            entry.proposer_states[proposer] = self.drafters[proposer].new_state()
-        return entry.proposer_states[proposer]
-
-    def _merge(self, entry: LoopRequest, drafts: dict[int, Drafted], draft_ms: float) -> Drafted:
-        if entry.error is not None or not drafts:
-            return Drafted(root_only_proposal(entry.session.committed[-1]), draft_ms)
-        return merge_drafts([drafts[p] for p in sorted(drafts)], entry.session.committed[-1], draft_ms)
-
     def _chunks_this_pass(self) -> list[LoopRequest]:
         """The prefilling requests whose next chunk joins this pass: in admission order, while their
         prompt tokens stay within ``chunk_tokens`` (the first always goes)."""
         chosen, total, limit = [], 0, self.limits.chunk_tokens
         for r in self.running:
-            if r.prefill is None or r.prefill.done:
+            if not r.prefilling or r.finished:
                 continue
             size = min(r.prompt_left, limit or r.prompt_left)
             if chosen and limit is not None and total + size > limit:
@@ -296,36 +293,39 @@ class EngineLoop:
             total += size
         return chosen
 
-    def _commit(self, decoding, plans, verifying, chunks, ms) -> dict[str, int]:
-        """Each request's outcome to its outbox; the finished leave. Returns the iteration's counts."""
+    def _commit(self, decoding, plans, chunks, results, ms) -> dict[str, int]:
+        """Each request's result to its outbox; the finished leave. Returns the iteration's counts."""
         counts = dict.fromkeys(("drafted", "accepted", "emitted", "prompt"), 0)
         wall_ms = sum(ms.values())
         for r in decoding:
-            running = verifying[r.id]
-            if r.error is None and running.error is not None:
-                self._fail(r, running.error)
-            if r.error is not None:
+            result = results.get(r.id)
+            if r.finished:  # cancelled while the phases ran
                 continue
-            outcome: StepOutcome = running.result
-            counts["drafted"] += outcome.draft_tokens
-            counts["accepted"] += len(outcome.tokens) - 1
-            self._push(r, r.session.finish_step(plans[r.id], outcome, wall_ms))
+            if not isinstance(result, StepOutcome):
+                self._fail(r, result if isinstance(result, BaseException) else RuntimeError("no verdict"))
+                continue
+            counts["drafted"] += result.draft_tokens
+            counts["accepted"] += len(result.tokens) - 1
+            self._push(r, r.session.finish_step(plans[r.id], result, wall_ms))
         for r in chunks:
-            counts["prompt"] += min(r.prompt_left, self.limits.chunk_tokens or r.prompt_left)
-            self._prefilled(r)
+            if r.finished:
+                continue
+            size = min(r.prompt_left, self.limits.chunk_tokens or r.prompt_left)
+            counts["prompt"] += size
+            r.prompt_left -= size
+            self._prefilled(r, results.get(r.id))
         counts["emitted"] = self._emitted
         return counts
 
-    def _prefilled(self, entry: LoopRequest) -> None:
+    def _prefilled(self, entry: LoopRequest, result) -> None:
         """After a prompt chunk: its first token once the whole prompt is in."""
-        prefill = entry.prefill
-        entry.prompt_left = max(0, entry.prompt_left - (self.limits.chunk_tokens or entry.prompt_left))
-        if prefill.error is not None:
-            self._fail(entry, prefill.error)
-        elif prefill.done:
-            entry.prefill = None
-            first = first_token(prefill.result, entry.request.sampling, entry.generator)
-            self._push(entry, entry.session.start(first))
+        if isinstance(result, BaseException):
+            self._fail(entry, result)
+        elif isinstance(result, int):
+            entry.prompt_left = 0
+            self._push(entry, entry.session.start(result))
+        elif not entry.prefilling:
+            self._fail(entry, RuntimeError("the prompt was fed but no first token came back"))
 
     def _push(self, entry: LoopRequest, update: StepUpdate) -> None:
         entry.outbox.append(update)
@@ -346,24 +346,16 @@ class EngineLoop:
         entry.finished = True
         if entry.session is not None:
             entry.session.close()
-        if entry.target_state is not None:
-            self.target.release(entry.target_state)
-        for proposer, state in entry.proposer_states.items():
-            self.drafters[proposer].release(state)
-        entry.proposer_states = {}
-        if entry.prefill is not None and not entry.prefill.done:
-            entry.prefill.program.close()
+        self.executor.release(entry.id)
 
-    def _record(self, counts: dict[str, int], passes: int, rounds: int, ms: dict[str, float]) -> IterationStats:
+    def _record(self, counts: dict[str, int], ms: dict[str, float]) -> IterationStats:
         self.running = [r for r in self.running if not r.finished]
-        used = total = None
-        if isinstance(self.target, PagedTarget):
-            used, total = self.target.pool.num_blocks - self.target.pool.num_free, self.target.pool.num_blocks
+        used, total = self.executor.kv_blocks() or (None, None)
         self.iterations += 1
         self.last = IterationStats(self.iterations, len(self.running), len(self.waiting),
-                                   sum(r.prefill is not None for r in self.running), used, total,
+                                   sum(r.prefilling for r in self.running), used, total,
                                    counts["drafted"], counts["accepted"], counts["emitted"], counts["prompt"],
-                                   passes, rounds, dict(ms))
+                                   dict(ms))
         for observer in self.observers:
             observer(self.last)
         return self.last

@@ -122,10 +122,8 @@ def test_batched_greedy_equals_alone_and_generate(models):
     outputs, stats = run_loop(engine, requests, joins=[0, 0, 0, 1, 3, 4])  # three at once, then joins mid-run
     assert outputs == expected
     assert target_items[0] == 3 and max(target_items) >= 5, target_items  # prefills and trees share a pass
-    assert [s.target_passes for s in stats] == [1] * len(stats)  # one target pass per iteration
-    assert len(target_items) == len(stats)
+    assert len(target_items) == len(stats)  # one target pass per iteration
     assert max(ssm_items) >= 2, ssm_items  # the tree requests' levels share SSM forwards
-    assert sum(s.draft_rounds for s in stats) == len(ssm_items)  # one SSM forward per round
     assert all(pool.num_free == pool.num_blocks and pool.num_unreserved == pool.num_blocks for pool in pools(engine))
     assert not engine.drafters[1].shared.active_requests  # every request stopped in the suffix proposer
 

@@ -11,6 +11,7 @@ from actors.suffix import SuffixDrafter
 from engine.draft import ModelDrafter
 from engine.generate import SpeculativeEngine
 from engine.kv_pool import PoolExhausted
+from engine.local_executor import local_loop
 from engine.loop import EngineLoop, LoopLimits, QueueFull
 from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 from engine.programs import Forward, alone, run_alone, run_round, run_rounds, start
@@ -34,7 +35,7 @@ def paged_loop(models, tokens: int = 4096, limits: LoopLimits = LoopLimits(), bl
     target_pool, target_batcher = paged_parts(target, tokens, block_size)
     ssm_pool, ssm_batcher = paged_parts(ssm, 4096, block_size)
     drafters = [PagedDrafter(ssm, 0, "ssm", ssm_pool, ssm_batcher), SuffixDrafter(1)]
-    return EngineLoop(PagedTarget(target, target_pool, target_batcher), drafters, IdTokenizer(), (), limits)
+    return local_loop(PagedTarget(target, target_pool, target_batcher), drafters, IdTokenizer(), (), limits)
 
 
 def drain(loop: EngineLoop, ids: list[int], outputs: dict | None = None) -> dict[int, list[int]]:
@@ -54,7 +55,7 @@ def collect(loop: EngineLoop, outputs: dict) -> None:
 
 
 def pools_whole(loop: EngineLoop) -> bool:
-    pools = [loop.target.pool, loop.drafters[0].pool]
+    pools = [loop.executor.target.pool, loop.executor.drafters[0].pool]
     return all(p.num_free == p.num_blocks and p.num_unreserved == p.num_blocks for p in pools)
 
 
@@ -241,7 +242,7 @@ def test_iteration_stats_add_up_to_the_requests_own(models):
     assert sum(s.accepted_tokens for s in seen) == sum(st.accepted_tokens for st in stats.values())
     assert sum(s.prompt_tokens for s in seen) == 6 + 20
     assert seen[0].kv_blocks_used > 0 and seen[-1].kv_blocks_used == 0 and seen[-1].running == 0
-    assert set(seen[0].ms) == {"schedule", "draft", "merge", "verify", "commit"}
+    assert set(seen[0].ms) == {"schedule", "draft", "verify", "commit"}
 
 
 def test_unpacked_models_run_in_the_loop_one_item_at_a_time(models):
@@ -264,3 +265,43 @@ def test_unpacked_models_run_in_the_loop_one_item_at_a_time(models):
 def test_limits_are_checked(limits, message):
     with pytest.raises(ValueError, match=message):
         LoopLimits(**limits)
+
+
+# -- bench/loop_load.py: the loop under load. ----------------------------------------------------
+
+
+@pytest.mark.parametrize("curve, streams, expected", [
+    ({1: 200.0, 8: 320.0}, 8, 25.0),
+    ({1: 200.0, 8: 320.0}, 4, 4 / 0.2514286),
+    ({1: 200.0, 8: 320.0}, 16, None),  # past the measured curve
+    (None, 4, None),
+])
+def test_forward_limit_is_streams_per_pass_at_the_curves_cost(curve, streams, expected):
+    from bench.loop_load import forward_limit
+
+    assert forward_limit(curve, streams) == (pytest.approx(expected) if expected else None)
+
+
+def test_loop_load_levels_are_exact_and_ratios_are_against_incremental(models):
+    """Both methods at two levels on the tiny pair: every output the target's greedy output, and
+    each level's ratio taken against incremental's tok/s at the same level."""
+    from bench.loop_load import run_level, summarise
+    from bench.methods import Method
+    from bench.workloads import EncodedPrompt, Prompt
+
+    loop = paged_loop(models)
+    engine = type("Engine", (), {"loop": loop})()
+    prompts = [tuple(range(3, 11)), tuple(range(20, 33)), tuple(range(40, 46))]
+    workload = [EncodedPrompt(Prompt(str(i), "", False), p) for i, p in enumerate(prompts)]
+    methods = [Method("incremental", "engine", SpeculationOptions(mode="incremental")), Method("tree", "engine", TREE)]
+    levels = [run_level(engine, m, workload, s, 12) for s in (1, 3) for m in methods]
+    for level in levels:
+        for key, output in level["outputs"].items():
+            prompt = prompts[(int(key) - min(map(int, level["outputs"]))) % len(prompts)]
+            assert output == reference_greedy(models[0], list(prompt), 12)
+    rows = summarise(levels, {1: 10.0, 2: 11.0, 4: 12.0})
+    for row in rows:
+        base = next(r for r in rows if r["streams"] == row["streams"] and r["method"] == "incremental")
+        assert row["vs_incremental"] == pytest.approx(row["aggregate_tokens_per_s"] / base["aggregate_tokens_per_s"])
+    assert rows[2]["forward_limit_tokens_per_s"] == pytest.approx(3 / 0.0115)
+    assert [r["new_tokens"] for r in rows] == [12, 12, 36, 36]
