@@ -5,8 +5,9 @@ Pure torch + transformers + the standard library: no Ray, gRPC or YAML here. The
 
 A speculative step is four calls: draft -> merge -> verify -> commit. ``loop.EngineLoop`` runs it
 for every running request together (one packed forward per SSM tree level, one target pass per
-iteration) through an executor (``local_executor``: the models in this process); model work is written as forward programs (``programs``: generators that yield the
-forwards they need), so the same code runs one request alone or a whole batch.
+iteration) through an executor (``phases``: the models in this process). Model work is written as
+forward programs (``programs``: generators that yield the forwards they need), so the same code
+runs one request alone or a whole batch.
 
 Glossary of dimension letters used in tensor shape comments (``# [N, V]``):
 
@@ -32,5 +33,5 @@ Glossary of dimension letters used in tensor shape comments (``# [N, V]``):
 """
 
 __all__ = ["tree", "models", "kv", "draft", "merge", "verify", "sampling", "target", "requests", "step", "generate",
-           "kv_pool", "packed", "batcher", "paged_models", "budget", "shape", "text", "offload",
-           "prefetch", "timing", "fused_int8", "graphs", "graphed_models", "programs", "loop", "local_executor", "dtypes"]
+           "kv_pool", "packed", "batcher", "paged_models", "budget", "shape", "text", "offload", "prefetch",
+           "timing", "fused_int8", "graphs", "graphed_models", "programs", "loop", "phases", "dtypes"]

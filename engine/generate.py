@@ -7,7 +7,7 @@ from typing import Callable, Iterator, Sequence
 
 from .draft import ModelDrafter
 from .graphed_models import GraphedTarget
-from .local_executor import local_loop
+from .phases import local_loop
 from .loop import LoopLimits
 from .prefetch import Ahead
 from .requests import GenerationRequest, GenerationResult, StepOutcome, StepUpdate

@@ -19,7 +19,7 @@ Nothing waits on a clock: whoever calls ``step`` decides when the next pass runs
 the loop by hand. ``stream`` serves one request from a caller's thread, stepping the loop for
 everyone while it waits (a lock lets several threads share one loop).
 
-Where the models run is the ``Executor``'s business: ``engine.local_executor.LocalExecutor`` runs
+Where the models run is the ``Executor``'s business: ``engine.phases.LocalExecutor`` runs
 them in this process (targets and drafters without a packed forward, such as a DynamicCache, CUDA
 graphs or tensor-parallel ranks, run their items one by one: the same phases, unbatched); an
 executor over Ray actors sends each phase to them as one call per actor. The core is async so that
@@ -142,7 +142,7 @@ class LoopRequest:
 
 
 class EngineLoop:
-    """The loop over an executor (``engine.local_executor.local_loop`` builds one over models in
+    """The loop over an executor (``engine.phases.local_loop`` builds one over models in
     this process). ``cost``: the cost model of cost-aware shapes (None: schedules);
     ``tree_budget(running)``: the most nodes a tree may have with that many running requests (None:
     the request's own limit)."""

@@ -11,7 +11,7 @@ from actors.suffix import SuffixDrafter
 from engine.draft import ModelDrafter
 from engine.generate import SpeculativeEngine
 from engine.kv_pool import PoolExhausted
-from engine.local_executor import local_loop
+from engine.phases import local_loop
 from engine.loop import EngineLoop, LoopLimits, QueueFull
 from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 from engine.programs import Forward, alone, run_alone, run_round, run_rounds, start
