@@ -137,4 +137,5 @@ class HoldsRequests:
         return self.store.sweep(max_idle_s)
 
     def num_requests(self) -> int:
-        return len(self.store)
+        """Requests holding state here: the per-request calls' and the engine loop's."""
+        return len(self.store) + len(self.loop_side.states)

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from settings.config import EngineConfig
 from engine.requests import StepOutcome
-from engine.step import TARGET_STREAM, Drafted, first_token, verify_and_commit
+from engine.phases import TargetSide
+from engine.step import TARGET_STREAM, Drafted, first_token, root_only_proposal, verify_and_commit
 from engine.models import eos_token_ids
 from engine.sampling import SamplingParams, make_generator
 from engine.paged_models import packed_timer
 from engine.budget import CURVE_SWEEPS, measure_curve, measure_target_curve
-from engine.kv_pool import PagedSequence, StateLost
+from engine.kv_pool import PagedSequence, PoolExhausted, StateLost
 from engine.target import TargetState
 
 from .guard import Guard, make_dropper
+from .loop_calls import PrefillJob, StepReply, TreeJob
 from .loading import auto_chose_cpu_bf16, check_bf16_curve
 from .targets import build_target
 from .common import HoldsRequests, Vocabulary, setup_process, sweep_interval, vocabulary
@@ -61,6 +64,9 @@ class VerifierActor(HoldsRequests):
                                getattr(loaded.model.config, "max_position_embeddings", None), vocabulary(loaded),
                                capacity)
         self._stop_sweeper = start_sweeper(self.store, sweep_interval(config.server.request_ttl_s))
+        # the engine loop's calls (step_batch): its own states, one call at a time
+        chunk = config.server.batching.prefill_chunk_tokens if self.paged else None
+        self.loop_side, self._loop_lock = TargetSide(self.target, chunk), threading.Lock()
 
     def measure_verify_cost(self) -> dict[int, float] | None:
         """ms of one verify pass vs tokens in it (None when neither the tree budget, which needs
@@ -89,6 +95,43 @@ class VerifierActor(HoldsRequests):
 
     def ready(self) -> TargetInfo:
         return self.info
+
+    def step_batch(self, merged: dict | None, trees: list[TreeJob], prefills: list[PrefillJob]) -> StepReply:
+        """The engine loop's verify phase: one target pass over every tree and each prompt's next
+        chunk (``engine.phases.TargetSide``). ``merged``: the merge actor's trees by request (None:
+        none drafted); a request without one (its draft failed, an SSM or the merge actor is down)
+        is verified as its root alone, plain decoding, which is lossless."""
+        results, resync, trees_by_id = {}, [], {}
+        with self._loop_lock:
+            for job in prefills:
+                if job.first and not self._admit(job, results):
+                    continue
+            for job in trees:
+                drafted = (merged or {}).get(job.request_id)
+                if not isinstance(drafted, Drafted):
+                    if drafted is not None:
+                        logger.warning("request %s verified without a tree: %r", job.request_id, drafted)
+                        resync.append(job.request_id)
+                    drafted = Drafted(root_only_proposal(job.root))
+                trees_by_id[job.request_id] = drafted
+            chunks = [job.request_id for job in prefills if job.request_id not in results]
+            results.update(self.loop_side.verify(trees_by_id, chunks))
+            return StepReply(results, tuple(resync), self.loop_side.kv_blocks())
+
+    def _admit(self, job: PrefillJob, results: dict) -> bool:
+        """Make a new request's state; its failure goes into ``results``."""
+        try:
+            if self.loop_side.admit(job.request_id, job.prompt_ids, job.sampling, job.reserve_tokens):
+                return True
+            results[job.request_id] = PoolExhausted(f"no KV memory for {job.reserve_tokens} tokens; retry later")
+        except Exception as error:
+            results[job.request_id] = error
+        return False
+
+    def release(self, request_id: str) -> bool:
+        with self._loop_lock:
+            self.loop_side.release(request_id)
+        return super().release(request_id)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel ranks cleanly (their shared memory too); nothing to do at tp=1."""

@@ -29,10 +29,12 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
 from actors.common import process_memory
+from actors.executor import ActorExecutor
 from actors.group import ActorGroup, check_ready, launch
 from actors.backend import ActorBackend, Admission
 from actors.liveness import HealthReport, Liveness
 from engine.budget import RunningLoad, budget_from_curve
+from engine.loop import EngineLoop, LoopLimits, QueueFull
 from engine.requests import StepUpdate
 from engine.step import Session, plan_proposers, tree_reservation
 from engine.kv_pool import PoolExhausted
@@ -91,6 +93,7 @@ class SpecInferIngress:
         self.active, self.draining = 0, False
         self.metrics = ServingMetrics()
         self.metrics.running(0)
+        self.loop = self._engine_loop() if config.server.engine_loop else None
 
     def __serve_build_asgi_app__(self):
         """The OpenAI-compatible HTTP routes, served by this replica (called once, after __init__)."""
@@ -148,6 +151,53 @@ class SpecInferIngress:
             raise RuntimeError(f"actors {list(report.down)} down for {report.unhealthy_for_s:.0f} s "
                                f"(server.health.unhealthy_after_s {bound:g})")
 
+    def _engine_loop(self) -> EngineLoop:
+        """The replica's engine loop over its actors, and the task that steps it while it has work."""
+        server = self.config.server
+        chunk = server.batching.prefill_chunk_tokens if server.batching.enabled else None
+        limits = LoopLimits(server.max_concurrent_requests, server.max_waiting_requests, chunk)
+        loop = EngineLoop(ActorExecutor(self.group, self.liveness, self.info.kv_capacity_tokens), self.tokenizer,
+                          self.eos_ids, limits, self.cost, self.budget.per_request if self.budget else None)
+        self._woken, self._streams = asyncio.Event(), {}
+        self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(loop))
+        return loop
+
+    async def _run_loop(self, loop: EngineLoop) -> None:
+        """Step the loop while it has work; wake every stream after each iteration."""
+        while True:
+            if not loop.has_work:
+                self._woken.clear()
+                await self._woken.wait()
+                continue
+            try:
+                await loop.step_async()
+            except Exception as error:  # a bug, not a request's fault: end them all, keep serving
+                logger.exception("engine loop iteration failed")
+                loop.abort(error)
+            for event in list(self._streams.values()):
+                event.set()
+            await asyncio.sleep(0)
+
+    async def _loop_updates(self, parsed) -> AsyncIterator[StepUpdate]:
+        """A request's updates through the replica's engine loop (queued while the batch is full)."""
+        try:
+            request_id = self.loop.submit(parsed)
+        except QueueFull as error:
+            raise Overloaded(str(error)) from None
+        self._streams[request_id] = event = asyncio.Event()
+        self._woken.set()
+        try:
+            while True:
+                await event.wait()
+                event.clear()
+                for update in self.loop.take(request_id):
+                    yield update
+                    if update.finish_reason is not None:
+                        return
+        finally:
+            self._streams.pop(request_id, None)
+            self.loop.cancel(request_id)
+
     async def generate_updates(self, request: pb.GenerateRequest, context,
                                observation: RequestObservation | None = None) -> AsyncIterator[StepUpdate]:
         """Admit, check, run; the request's state is released in every actor however it ends.
@@ -162,6 +212,11 @@ class SpecInferIngress:
             parsed = parse_request(decode_request(request), self.config, self.base_options, self.tokenizer,
                                    self.limits)
             observation.admitted(len(parsed.prompt_ids))
+            if self.loop is not None:
+                async for update in self._loop_updates(parsed):
+                    observation.update(update)
+                    yield update
+                return
             backend = ActorBackend(self.group, request_id, parsed.sampling, self.liveness, self._admission(parsed),
                                    prefetch=parsed.speculation.prefetch)
             session = Session(backend, parsed, self.group.names, self.group.neural, self.tokenizer, self.eos_ids,
@@ -201,13 +256,15 @@ class SpecInferIngress:
         through a deployment handle come from inside the cluster), then draining, then the limit."""
         if grpc_context is not None:
             check_metadata(grpc_context.invocation_metadata(), self.auth_token)
-        limit = self.config.server.max_concurrent_requests
+        server = self.config.server
+        limit = server.max_concurrent_requests + (server.max_waiting_requests if server.engine_loop else 0)
         if self.draining:
             raise Draining("server draining: it is shutting down and admits no new requests; retry on another "
                            "replica or later")
         if self.active >= limit:
-            raise Overloaded(f"server busy: {self.active} requests in flight, server.max_concurrent_requests "
-                             f"is {limit}; retry later")
+            bound = ("server.max_concurrent_requests + server.max_waiting_requests" if server.engine_loop
+                     else "server.max_concurrent_requests")
+            raise Overloaded(f"server busy: {self.active} requests in flight, {bound} is {limit}; retry later")
         self.active += 1
         self.metrics.running(self.active)
         try:

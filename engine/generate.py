@@ -84,7 +84,6 @@ class SpeculativeEngine:
                  max_context: int | None = None, cost: TreeCost | None = None, limits: LoopLimits | None = None,
                  tree_budget: Callable[[int], int | None] | None = None):
         self.target, self.drafters, self.tokenizer = target, list(drafters), tokenizer
-        self.cost = cost  # the cost model of cost-aware tree shapes (engine.shape); None: schedules
         self.eos_ids = frozenset(eos_ids)
         self.names = tuple(d.name for d in self.drafters)
         self.neural = tuple(isinstance(d, ModelDrafter) for d in self.drafters)
@@ -94,6 +93,15 @@ class SpeculativeEngine:
         if limits is None:
             limits = LoopLimits(max_running=1) if isinstance(target, GraphedTarget) else LoopLimits()
         self.loop = local_loop(target, self.drafters, tokenizer, self.eos_ids, limits, cost, tree_budget)
+
+    @property
+    def cost(self) -> TreeCost | None:
+        """The cost model of cost-aware tree shapes (``engine.shape``); None: schedules. The loop's."""
+        return self.loop.cost
+
+    @cost.setter
+    def cost(self, cost: TreeCost | None) -> None:
+        self.loop.cost = cost
 
     def check_request(self, request: GenerationRequest) -> None:
         if not request.prompt_ids:

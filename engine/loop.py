@@ -52,8 +52,8 @@ class QueueFull(RuntimeError):
 
 @dataclass(frozen=True)
 class LoopLimits:
-    """``max_running``: requests stepped together; ``max_waiting``: requests queued beyond them before
-    ``submit`` refuses (QueueFull); ``chunk_tokens``: prompt tokens one target pass takes, all
+    """``max_running``: requests stepped together; ``max_waiting``: requests queued beyond them (the
+    free running places count as taken) before ``submit`` refuses (QueueFull); ``chunk_tokens``: prompt tokens one target pass takes, all
     prefilling requests together (the first chunk always goes; None: whole prompts)."""
 
     max_running: int = 8
@@ -168,9 +168,10 @@ class EngineLoop:
     def submit(self, request: GenerationRequest) -> int:
         """Queue a request; its id. QueueFull when ``max_waiting`` requests already wait."""
         with self.lock:
-            if len(self.waiting) >= self.limits.max_waiting:
-                raise QueueFull(f"server busy: {len(self.waiting)} requests waiting "
-                                f"(limit {self.limits.max_waiting}); retry later")
+            free = max(0, self.limits.max_running - len(self.running))  # taken at the next iteration
+            if len(self.waiting) >= self.limits.max_waiting + free:
+                raise QueueFull(f"server busy: {len(self.waiting) - free} requests waiting beyond the "
+                                f"{self.limits.max_running} running (limit {self.limits.max_waiting}); retry later")
             entry = LoopRequest(next(self._ids), request)
             self.requests[entry.id] = entry
             self.waiting.append(entry)
@@ -200,6 +201,14 @@ class EngineLoop:
             if entry in self.waiting:
                 self.waiting.remove(entry)
             self._finish(entry)
+
+    def abort(self, error: BaseException) -> None:
+        """End every request, waiting or running, with ``error`` (an iteration failed as a whole)."""
+        with self.lock:
+            for entry in [*self.waiting, *self.running]:
+                self._fail(entry, error)
+            self.waiting.clear()
+            self.running = []
 
     @property
     def has_work(self) -> bool:

@@ -198,6 +198,13 @@ class HealthConfig(Strict):
 
 class ServerConfig(Strict):
     max_concurrent_requests: int = Field(default=8, ge=1)
+    engine_loop: bool = Field(
+        default=False, description="one engine loop per replica steps every running request together "
+                                   "(engine.loop; one call per actor per phase), and requests beyond "
+                                   "max_concurrent_requests wait in its queue; false: a step loop per request")
+    max_waiting_requests: int = Field(default=64, ge=0,
+                                      description="with engine_loop: requests queued beyond the running ones "
+                                                  "before RESOURCE_EXHAUSTED")
     max_new_tokens_limit: int = Field(default=2048, ge=1)
     max_prompt_chars: int = Field(default=262_144, ge=1,
                                   description="prompt, or all messages' roles and contents, checked before tokenizing")

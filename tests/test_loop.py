@@ -124,13 +124,14 @@ def test_run_alone_runs_callables_and_raises_their_errors():
 
 def test_the_queue_is_bounded_and_refuses_with_its_limit(models):
     loop = paged_loop(models, limits=LoopLimits(max_running=1, max_waiting=1))
-    first = loop.submit(GenerationRequest(tuple(range(3, 9)), 4))
-    with pytest.raises(QueueFull, match=r"1 requests waiting \(limit 1\)"):
+    first = loop.submit(GenerationRequest(tuple(range(3, 9)), 4))  # the free running place
+    second = loop.submit(GenerationRequest(tuple(range(5, 12)), 4))  # the queue
+    with pytest.raises(QueueFull, match=r"1 requests waiting beyond the 1 running \(limit 1\)"):
         loop.submit(GenerationRequest(tuple(range(3, 9)), 4))
-    loop.step()  # the first is admitted: the queue has room again
-    second = loop.submit(GenerationRequest(tuple(range(5, 12)), 4))
-    assert (loop.last.running, loop.last.waiting) == (1, 0)
-    assert len(loop.waiting) == 1
+    loop.step()  # the first runs, the second still waits: no room
+    assert (loop.last.running, loop.last.waiting) == (1, 1)
+    with pytest.raises(QueueFull):
+        loop.submit(GenerationRequest(tuple(range(3, 9)), 4))
     outputs = drain(loop, [first, second])
     assert outputs[first] == reference_greedy(models[0], list(range(3, 9)), 4)
     assert outputs[second] == reference_greedy(models[0], list(range(5, 12)), 4)

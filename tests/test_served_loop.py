@@ -1,0 +1,116 @@
+"""The served engine loop (``server.engine_loop: true``): one loop per replica steps every request
+together through one call per actor per phase (``actors.executor``). A second application on the
+shared tiny fp32 models with 2 running requests and 6 waiting: outputs equal the in-process engine's,
+requests beyond the batch wait instead of failing, the queue's bound answers RESOURCE_EXHAUSTED, and
+every state is released."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from cluster.serve_client import Client, build_request
+from serving_fixtures import local_engine, ray_session, serving, tiny_args, tiny_models, wait_until  # noqa: F401
+from test_serving import local_result
+
+LOOP_APP = "specinfer-loop"
+PROMPTS = ["def add(a, b):", "Hello wörld", "x = [i * i for i in range(10)]", "SELECT * FROM t WHERE",
+           "The quick brown fox", "import os, sys", "while True: pass", "print('speculative')"]
+RUNNING, WAITING = 2, 6
+
+
+@pytest.fixture(scope="module")
+def loop_app(serving, tiny_args):  # noqa: F811
+    """The loop application; yields (gRPC address, Serve handle). Deleted at the end of the module."""
+    from ray import serve
+
+    from cluster.serve_app import app_builder
+
+    args = {**tiny_args, "server": {**tiny_args["server"], "engine_loop": True, "max_concurrent_requests": RUNNING,
+                                    "max_waiting_requests": WAITING}}
+    serve.run(app_builder(args), name=LOOP_APP, route_prefix="/loop", blocking=False)
+    with Client(serving, LOOP_APP) as client:
+        client.wait_ready(300)
+    yield serving, serve.get_app_handle(LOOP_APP)
+    serve.delete(LOOP_APP)
+
+
+def held(handle) -> dict[str, int]:
+    import ray
+
+    actors = handle.actors.remote().result()
+    return {"ingress": handle.num_active.remote().result(),
+            **dict(zip(actors, ray.get([a.num_requests.remote() for a in actors.values()])))}
+
+
+def run_streams(address: str, requests: list, stats: dict | None = None) -> tuple[dict[int, list[int]], list[str]]:
+    """Each request on its own thread and channel, started together; (outputs, error statuses).
+    ``stats``: filled with each request's final statistics."""
+    outputs, errors, barrier = {}, [], threading.Barrier(len(requests))
+
+    def one(index: int) -> None:
+        with Client(address, LOOP_APP) as client:
+            barrier.wait()
+            try:
+                chunks = list(client.stream(requests[index], timeout=600))
+                outputs[index] = [t for chunk in chunks for t in chunk.token_ids]
+                if stats is not None:
+                    stats[index] = chunks[-1].stats
+            except grpc.RpcError as error:
+                errors.append(f"{error.code().name}: {error.details()}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(900)
+    return outputs, errors
+
+
+@pytest.mark.ray
+def test_more_requests_than_the_batch_wait_and_equal_the_in_process_engine(loop_app, local_engine,
+                                                                          tiny_args):  # noqa: F811
+    address, handle = loop_app
+    requests, stats = [build_request(p, max_new_tokens=40) for p in PROMPTS], {}
+    outputs, errors = run_streams(address, requests, stats)
+    assert errors == []
+    expected = [local_result(local_engine, tiny_args, p, max_new_tokens=40)[1] for p in PROMPTS]
+    assert [outputs[i] for i in range(len(PROMPTS))] == [list(result.token_ids) for result in expected]
+    # the trees were drafted, merged and verified as in-process: the same acceptance, step for step
+    assert [stats[i].accepted_tokens for i in range(len(PROMPTS))] == [r.stats.accepted_tokens for r in expected]
+    assert sum(stats[i].accepted_tokens for i in range(len(PROMPTS))) > 0
+    assert wait_until(lambda: not any(held(handle).values()), timeout_s=60), held(handle)
+
+
+@pytest.mark.ray
+def test_seeded_sampling_through_the_loop_equals_the_in_process_engine(loop_app, local_engine,
+                                                                      tiny_args):  # noqa: F811
+    address, _ = loop_app
+    requests = [build_request(p, max_new_tokens=24, temperature=0.9, seed=11) for p in PROMPTS[:4]]
+    outputs, errors = run_streams(address, requests)
+    assert errors == []
+    assert [outputs[i] for i in range(4)] == [
+        list(local_result(local_engine, tiny_args, p, max_new_tokens=24, temperature=0.9, seed=11)[1].token_ids)
+        for p in PROMPTS[:4]]
+
+
+@pytest.mark.ray
+def test_past_the_queue_a_request_is_refused_with_the_bound(loop_app):
+    """Eight long requests fill the batch and the queue (held until the ingress counts all eight);
+    the ninth gets RESOURCE_EXHAUSTED naming both settings; the eight then finish."""
+    address, handle = loop_app
+    clients = [Client(address, LOOP_APP) for _ in range(RUNNING + WAITING)]
+    calls = [c.stream(build_request(PROMPTS[i], max_new_tokens=300), timeout=600) for i, c in enumerate(clients)]
+    try:
+        assert wait_until(lambda: handle.num_active.remote().result() == RUNNING + WAITING, timeout_s=60)
+        with Client(address, LOOP_APP) as client, pytest.raises(grpc.RpcError) as refused:
+            client.generate(build_request("one too many", max_new_tokens=4), timeout=60)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "server.max_concurrent_requests + server.max_waiting_requests is 8" in refused.value.details()
+        assert all(len([t for chunk in call for t in chunk.token_ids]) == 300 for call in calls)
+    finally:
+        for client in clients:
+            client.close()
+    assert wait_until(lambda: not any(held(handle).values()), timeout_s=60), held(handle)
