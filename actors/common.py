@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -130,7 +131,23 @@ class HoldsRequests:
         """The actor process's memory in MB (``process_memory``), for bench/memory.py."""
         return process_memory()
 
+    def init_loop(self, side) -> None:
+        """The engine loop's calls here (``actors.executor``): their own states in ``side`` (an
+        ``engine.phases`` side), the committed tokens each request has been sent, one call at a time
+        (a release waits for the call under way)."""
+        self.loop_side, self.loop_histories, self.loop_lock = side, {}, threading.Lock()
+
+    def loop_history(self, request_id: str, start: int, new_tokens) -> tuple[int, ...]:
+        """The request's committed tokens once this call's ``new_tokens`` (from ``start`` on) are in
+        (NeedsResync when the start is missing: ``sync_history``). Under ``loop_lock``."""
+        history = self.loop_histories.setdefault(request_id, [])
+        sync_history(history, start, list(new_tokens))
+        return tuple(history)
+
     def release(self, request_id: str) -> bool:
+        with self.loop_lock:
+            self.loop_side.release(request_id)
+            self.loop_histories.pop(request_id, None)
         return self.store.release(request_id)
 
     def sweep(self, max_idle_s: float | None = None) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -38,10 +37,8 @@ class MergeActor(HoldsRequests):
         self.suffix = SuffixDrafter(suffix_index, suffix) if suffix is not None else None
         self.store: RequestStore[MergeState] = RequestStore(request_ttl_s, on_drop=self._drop)
         self._stop_sweeper = start_sweeper(self.store, sweep_interval(request_ttl_s))
-        # the engine loop's calls (merge_batch): its own states, one call at a time
-        self.loop_side = DraftSide({suffix_index: self.suffix} if self.suffix is not None else {})
-        self.histories: dict[str, list[int]] = {}
-        self._loop_lock = threading.Lock()
+        # the engine loop's calls (merge_batch)
+        self.init_loop(DraftSide({suffix_index: self.suffix} if self.suffix is not None else {}))
 
     def ready(self) -> str | None:
         return self.suffix.name if self.suffix else None
@@ -51,15 +48,13 @@ class MergeActor(HoldsRequests):
         ``ssm_results``, one list per SSM call) and the suffix proposer's, merged in proposer order;
         or the job's first error (NeedsResync where a history lacks its start)."""
         merged, ready = {}, []
-        with self._loop_lock:
+        with self.loop_lock:
             for job in jobs:
-                history = self.histories.setdefault(job.request_id, [])
                 try:
-                    sync_history(history, job.start, list(job.new_tokens))
+                    ready.append(DraftJob(job.request_id, self.loop_history(job.request_id, job.start, job.new_tokens),
+                                          job.plan))
                 except NeedsResync as error:
                     merged[job.request_id] = error
-                    continue
-                ready.append(DraftJob(job.request_id, tuple(history), job.plan))
             suffix = self.loop_side.draft(ready)
         places = {job.request_id: job.places for job in jobs}
         for job in ready:
@@ -70,12 +65,6 @@ class MergeActor(HoldsRequests):
             slowest = max((d.draft_ms for d in drafts.values() if isinstance(d, Drafted)), default=0.0)
             merged[job.request_id] = merge_job(job, drafts, slowest)
         return merged
-
-    def release(self, request_id: str) -> bool:
-        with self._loop_lock:
-            self.loop_side.release(request_id)
-            self.histories.pop(request_id, None)
-        return super().release(request_id)
 
     def merge(self, request_id: str, start: int, new_tokens: list[int], plan: Sequence[Assignment],
               *ssm_drafts: Drafted | None) -> Drafted | None:

@@ -8,7 +8,6 @@ next draft call takes a prepared tree that matches the verdict, or drafts as usu
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -79,8 +78,7 @@ class SSMActor(HoldsRequests):
         self._stop_sweeper = start_sweeper(self.store, sweep_interval(config.server.request_ttl_s))
         self.timings: deque[DraftTiming] = deque(maxlen=4096)
         self.pool = ThreadPoolExecutor(config.server.max_concurrent_requests, thread_name_prefix="prefetch")
-        # the engine loop's calls (draft_batch): its own states, one call at a time
-        self.loop_side, self.histories, self._loop_lock = DraftSide({index: self.drafter}), {}, threading.Lock()
+        self.init_loop(DraftSide({index: self.drafter}))  # the engine loop's calls (draft_batch)
 
     def ready(self) -> tuple[str, Vocabulary]:
         return self.name, self.vocabulary
@@ -90,28 +88,21 @@ class SSMActor(HoldsRequests):
         all of them (``engine.phases.DraftSide``). Per job its Drafted (``draft_ms``: the whole
         call's drafting) or its own error (NeedsResync when this actor lacks the history's start)."""
         began, results, drafting = time.perf_counter(), [], []
-        with self._loop_lock:
+        with self.loop_lock:
             for job in jobs:
-                history = self.histories.setdefault(job.request_id, [])
                 try:
-                    sync_history(history, job.start, list(job.new_tokens))
+                    history = self.loop_history(job.request_id, job.start, job.new_tokens)
                 except NeedsResync as error:
                     results.append(error)
                     continue
                 results.append(None)
-                drafting.append((len(results) - 1, DraftJob(job.request_id, tuple(history), (job.assignment,))))
+                drafting.append((len(results) - 1, DraftJob(job.request_id, history, (job.assignment,))))
             drafts = self.loop_side.draft([job for _, job in drafting])
         draft_ms = (time.perf_counter() - began) * 1e3
         for index, job in drafting:
             draft = drafts[job.request_id][self.index]
             results[index] = replace(draft, draft_ms=draft_ms) if isinstance(draft, Drafted) else draft
         return results
-
-    def release(self, request_id: str) -> bool:
-        with self._loop_lock:
-            self.loop_side.release(request_id)
-            self.histories.pop(request_id, None)
-        return super().release(request_id)
 
     def draft(self, request_id: str, start: int, new_tokens: list[int], assignment: Assignment,
               prefetch: int = 0) -> Drafted | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -66,7 +65,7 @@ class VerifierActor(HoldsRequests):
         self._stop_sweeper = start_sweeper(self.store, sweep_interval(config.server.request_ttl_s))
         # the engine loop's calls (step_batch): its own states, one call at a time
         chunk = config.server.batching.prefill_chunk_tokens if self.paged else None
-        self.loop_side, self._loop_lock = TargetSide(self.target, chunk), threading.Lock()
+        self.init_loop(TargetSide(self.target, chunk))
 
     def measure_verify_cost(self) -> dict[int, float] | None:
         """ms of one verify pass vs tokens in it (None when neither the tree budget, which needs
@@ -102,7 +101,7 @@ class VerifierActor(HoldsRequests):
         none drafted); a request without one (its draft failed, an SSM or the merge actor is down)
         is verified as its root alone, plain decoding, which is lossless."""
         results, resync, trees_by_id = {}, [], {}
-        with self._loop_lock:
+        with self.loop_lock:
             for job in prefills:
                 if job.first and not self._admit(job, results):
                     continue
@@ -128,10 +127,6 @@ class VerifierActor(HoldsRequests):
             results[job.request_id] = error
         return False
 
-    def release(self, request_id: str) -> bool:
-        with self._loop_lock:
-            self.loop_side.release(request_id)
-        return super().release(request_id)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel ranks cleanly (their shared memory too); nothing to do at tp=1."""
