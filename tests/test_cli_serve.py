@@ -21,7 +21,7 @@ SERVER = textwrap.dedent("""
     import cluster.cli_serve as cli
     cli.deploy = lambda config: "127.0.0.1:0"
     cli.drain_serving = lambda timeout_s: print(f"drain called ({timeout_s:g} s)", flush=True) or 0
-    args = argparse.Namespace(config="configs/serve.yaml", grpc_port=None, no_batching=False,
+    args = argparse.Namespace(config="configs/serve.yaml", grpc_port=None, no_batching=False, engine_loop=False,
                               ray_address=None, num_cpus=1, object_store_mb=None)
     sys.exit(cli.run_serve(args))
 """)

@@ -114,3 +114,16 @@ def test_past_the_queue_a_request_is_refused_with_the_bound(loop_app):
         for client in clients:
             client.close()
     assert wait_until(lambda: not any(held(handle).values()), timeout_s=60), held(handle)
+
+
+@pytest.mark.parametrize("flag, expected", [(False, False), (True, True)])
+def test_serve_flag_turns_the_engine_loop_on(flag, expected):
+    """`specinfer serve --engine-loop`: the served config's engine section gets server.engine_loop."""
+    from pathlib import Path
+
+    from cluster.cli_serve import load_serve_config
+    from settings.config import EngineConfig, engine_section
+
+    path = Path(__file__).resolve().parent.parent / "configs" / "serve.yaml"
+    data = load_serve_config(path, engine_loop=flag)
+    assert EngineConfig.model_validate(engine_section(data, path)).server.engine_loop is expected
