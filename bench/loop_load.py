@@ -29,7 +29,6 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -148,8 +147,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     engine = build_engine(config, batched=True)
     curve = dict(engine.cost.verify_ms) if engine.cost is not None else None
     try:
-        for method in methods:  # warm-up: one short request per method, not recorded
-            run_level(engine, replace(method), workload[:1], 1, 8)
+        for method in methods:  # warm-up, not recorded: the largest level's shapes (prompt chunks, batches)
+            run_level(engine, method, workload, max(streams), 4)
         levels = [run_level(engine, method, workload, s, args.max_new_tokens) for s in streams for method in methods]
     finally:
         close_engine(engine)
