@@ -11,6 +11,8 @@ import os
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,24 @@ def wait_until(predicate, timeout_s: float = 15.0, poll_s: float = 0.1) -> bool:
         time.sleep(poll_s)
     return predicate()
 
+
+@contextmanager
+def batch_hold(set_hold: Callable[[int], object], count: int) -> Iterator[None]:
+    """The next packed forward waits for ``count`` requests inside the block; the hold is always
+    lifted at its end (``set_hold(0)``), so a failing test cannot leave every later request on a
+    shared engine or app frozen. ``set_hold``: a batcher's ``hold_next`` or ``remote_hold(actor)``."""
+    set_hold(count)
+    try:
+        yield
+    finally:
+        set_hold(0)
+
+
+def remote_hold(verifier) -> Callable[[int], None]:
+    """A verifier actor's ``hold_next_batch`` as a blocking call (for ``batch_hold``)."""
+    import ray
+
+    return lambda count: ray.get(verifier.hold_next_batch.remote(count), timeout=60)
 
 
 def http_health(url: str) -> tuple[int, str]:

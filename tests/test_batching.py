@@ -26,6 +26,7 @@ from engine.packed import ForwardItem, PagedModel, chain_item
 from engine.sampling import SamplingParams
 from engine.target import TargetModel
 from engine.tree import TokenTree, ancestor_mask, positions
+from serving_fixtures import batch_hold
 from tests.tiny_models import IdTokenizer, reference_greedy, tiny_model
 
 VOCAB = 97
@@ -87,9 +88,10 @@ def test_batched_greedy_equals_alone_and_generate(models):
     requests = [GenerationRequest(p, n, speculation=s) for p, n, s in MIXED]
     expected = [reference_greedy(models[0], list(p), n) for p, n, _ in MIXED]
     assert [list(engine.generate(r).token_ids) for r in requests] == expected  # alone
-    engine.target.batcher.hold_next(3)  # the first three prefills share a forward, whatever the timing
-    engine.drafters[0].batcher.hold_next(2)  # and the two tree requests' first SSM forward
-    outputs = run_threads(engine, requests, delays=[0.0, 0.0, 0.01, 0.05, 0.1, 0.2])  # joins mid-run
+    # the first three prefills share a forward, whatever the timing, and the two tree requests'
+    # first SSM forward
+    with batch_hold(engine.target.batcher.hold_next, 3), batch_hold(engine.drafters[0].batcher.hold_next, 2):
+        outputs = run_threads(engine, requests, delays=[0.0, 0.0, 0.01, 0.05, 0.1, 0.2])  # joins mid-run
     assert outputs == expected
     counters = engine.target.batcher.counters
     assert counters.largest >= 3, counters  # forwards were shared (made certain by hold_next)
@@ -482,12 +484,12 @@ def test_prompts_arriving_together_are_prefilled_one_chunk_budget_at_a_time(mode
     def run(i):
         logits[i] = feed(batcher, PagedSequence(pool), prompts[i], prompt=True)
 
-    batcher.hold_next(3)  # all three queued before the first forward, whatever the timing
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    with batch_hold(batcher.hold_next, 3):  # all three queued before the first forward, whatever the timing
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
     assert len(per_forward) == 2 and max(per_forward) <= 8 and sum(per_forward) == 12, per_forward
     alone_pool, alone = paged_parts(target, 256, 4)
     for prompt, got in zip(prompts, logits):
@@ -654,12 +656,12 @@ def test_a_thread_whose_result_is_ready_returns_instead_of_leading_the_next_forw
 
     batcher.model.forward = recording
     for _ in range(10):
-        batcher.hold_next(3)  # all three queued before the first forward
         threads = [threading.Thread(target=run, args=(n,)) for n in (2, 5, 6)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        with batch_hold(batcher.hold_next, 3):  # all three queued before the first forward
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
     assert len(leaders) == 30 and all(leaders), leaders
 
 

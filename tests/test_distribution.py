@@ -39,6 +39,7 @@ from engine.sampling import SamplingParams, make_generator, warp
 from engine.target import TargetModel
 from engine.tree import children
 from engine.verify import Verdict, verify_stochastic
+from serving_fixtures import batch_hold
 from settings.config import SuffixConfig
 from tests.lookup_models import (LookupDrafter, LookupLM, chi_square, node_contexts, prefix_distribution,
                                  tiny_llama, tiny_tokenizer)
@@ -539,8 +540,8 @@ def test_engine_first_two_tokens_are_target_distributed(tiny_engine, tiny_batche
                                                         sampling, batched):
     requests = [GenerationRequest(E2E_PROMPT, 2, replace(sampling, seed=seed), options) for seed in range(E2E_SAMPLES)]
     if batched:
-        tiny_batched_engine.target.batcher.hold_next(2)  # the first two requests share a forward, certainly
-        results = generate_batched(tiny_batched_engine, requests)
+        with batch_hold(tiny_batched_engine.target.batcher.hold_next, 2):  # the first two share a forward, certainly
+            results = generate_batched(tiny_batched_engine, requests)
         assert tiny_batched_engine.target.batcher.counters.largest >= 2
     else:
         results = [tiny_engine.generate(request) for request in requests]

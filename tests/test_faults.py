@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from cluster.serve_client import Client, build_request
-from serving_fixtures import (http_health, local_engine, ray_session, serving, tiny_args,  # noqa: F401  (fixtures)
-                              tiny_models, wait_until)
+from serving_fixtures import (batch_hold, http_health, local_engine, ray_session,  # noqa: F401  (fixtures)
+                              remote_hold, serving, tiny_args, tiny_models, wait_until)
 
 APP = "specinfer-faults"
 PROMPT = "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)"
@@ -52,13 +52,14 @@ def kill(handle) -> None:
 def kill_mid_stream(app, role: str) -> None:
     """Kill ``role`` while every running stream is frozen at its next target forward, so none can
     finish before the kill lands; then let them go on (a killed verifier takes its hold with it)."""
-    import ray
-
     actors = app.actors.remote().result()
-    ray.get(actors["verifier"].hold_next_batch.remote(10**6), timeout=30)
-    kill(actors[role])
-    if role != "verifier":
-        ray.get(actors["verifier"].hold_next_batch.remote(0), timeout=30)
+    hold = remote_hold(actors["verifier"])
+    if role == "verifier":
+        hold(10**6)
+        kill(actors[role])  # the restarted verifier starts without it
+        return
+    with batch_hold(hold, 10**6):
+        kill(actors[role])
 
 
 def draft_count(app, role: str) -> int:

@@ -471,11 +471,10 @@ def test_served_prefetch_with_continuous_batching_is_the_targets_own_output(serv
     import ray
 
     from cluster.serve_client import Client, build_request
-    from serving_fixtures import wait_until
+    from serving_fixtures import batch_hold, remote_hold, wait_until
     from tests.test_serving import pools_settled
 
     verifier = ingress.actors.remote().result()["verifier"]
-    ray.get(verifier.hold_next_batch.remote(2))  # both prefills share a forward: the two run side by side
     replies: list = [None] * len(PROMPTS)
 
     def ask(index: int) -> None:
@@ -483,10 +482,11 @@ def test_served_prefetch_with_continuous_batching_is_the_targets_own_output(serv
             replies[index] = client.generate(build_request(PROMPTS[index], max_new_tokens=32, prefetch=2), timeout=300)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(300)
+    with batch_hold(remote_hold(verifier), 2):  # both prefills share a forward: the two run side by side
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
     for prompt, reply in zip(PROMPTS, replies):
         ids = local_engine.tokenizer.encode(prompt)
         reference = target_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32)[0, len(ids):]

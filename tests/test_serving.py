@@ -17,8 +17,8 @@ import torch
 
 from cluster.serve_client import Client, build_request
 from protos import specinfer_pb2 as pb
-from serving_fixtures import (ingress, local_engine, ray_session, serving, tiny_args,  # noqa: F401  (fixtures)
-                              tiny_models, wait_until)
+from serving_fixtures import (batch_hold, ingress, local_engine, ray_session, remote_hold,  # noqa: F401
+                              serving, tiny_args, tiny_models, wait_until)
 
 SERVE_YAML = Path(__file__).resolve().parent.parent / "configs" / "serve.yaml"
 PROMPTS = ["Hello wörld, speculative decoding!", "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)"]
@@ -464,7 +464,6 @@ def test_batched_requests_equal_each_alone_and_return_their_blocks(serving, ingr
 
     verifier = ingress.actors.remote().result()["verifier"]
     before = ray.get(verifier.batch_counters.remote())
-    ray.get(verifier.hold_next_batch.remote(2))  # the two lanes' first prefills share a forward, certainly
     expected = [local_result(local_engine, tiny_args, p, max_new_tokens=n)[1].token_ids for p, n, _, _ in MIXED]
     outputs: dict[int, list[int]] = {}
 
@@ -487,10 +486,11 @@ def test_batched_requests_equal_each_alone_and_return_their_blocks(serving, ingr
             wait_until(lambda: ingress.num_active.remote().result() < 2, timeout_s=30)
 
     threads = [threading.Thread(target=lane, args=(list(range(start, len(MIXED), 2)),)) for start in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    with batch_hold(remote_hold(verifier), 2):  # the two lanes' first prefills share a forward, certainly
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
     for index, (_, max_new_tokens, _, cancel_after) in enumerate(MIXED):
         got = outputs[index]
         assert got == list(expected[index])[:len(got)] and (cancel_after or len(got) == max_new_tokens)
