@@ -6,9 +6,16 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 # Tests never reach a model hub: everything is loaded from local directories.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Every Hypothesis test runs the same examples on every run and machine (derandomised, no example
+# database carried between runs) and is bounded by the suite's timeout, not a per-example deadline
+# that a loaded 2-core box misses. Tests set only max_examples (and health checks) themselves.
+settings.register_profile("specinfer", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.load_profile("specinfer")
 
 
 @pytest.fixture(scope="session")

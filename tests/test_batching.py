@@ -241,7 +241,7 @@ def test_reservation_admits_by_memory():
     assert (pool.num_free, pool.num_unreserved) == (4, 4)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(st.lists(st.tuples(st.sampled_from(["append", "keep", "truncate", "release"]), st.integers(0, 3),
                           st.integers(1, 9)), max_size=40))
 def test_pool_accounting_property(operations):
