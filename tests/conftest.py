@@ -44,9 +44,12 @@ def qwen_models_dir(models_cache_dir: Path) -> Path:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need a CUDA device; skip them where there is none."""
+    """In-process tests first, Ray ones last (a stable sort: each keeps its order), so Ray's
+    processes do not compete with the in-process tests for the CPUs; tests marked ``gpu`` need a
+    CUDA device: skipped where there is none."""
     import torch
 
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
