@@ -139,15 +139,35 @@ def test_refused_and_cancelled_requests_are_counted_by_status():
     assert status_name(asyncio.CancelledError()) == "CANCELLED"
 
 
-def test_metric_failures_do_not_fail_requests():
-    class Broken(FakeMetric):
-        def inc(self, value=1.0, tags=None):
-            raise RuntimeError("metrics agent gone")
+class BrokenMetric(FakeMetric):
+    """Every write is recorded, then fails as it would with the metrics agent gone."""
 
-    metrics = ServingMetrics(factory=Broken)
-    with observed(metrics, RequestObservation("grpc"), lambda error: "INTERNAL"):
-        pass  # no exception escapes
+    def inc(self, value=1.0, tags=None):
+        super().inc(value, tags)
+        raise RuntimeError("metrics agent gone")
+
+    def observe(self, value, tags=None):
+        super().observe(value, tags)
+        raise RuntimeError("metrics agent gone")
+
+    set = observe
+
+
+def test_metric_failures_do_not_fail_requests():
+    """A failing metric never changes a request's outcome: its result and its own error pass
+    through unchanged, and the write was really attempted (it failed, it was not skipped)."""
+    metrics = ServingMetrics(factory=BrokenMetric)
+    with observed(metrics, RequestObservation("grpc"), lambda error: "INTERNAL") as observation:
+        observation.admitted(3)
+    assert observation.status == "OK"
+    with pytest.raises(KeyError, match="the request's own"), \
+            observed(metrics, RequestObservation("grpc"), lambda error: "INVALID_ARGUMENT"):
+        raise KeyError("the request's own error")
     metrics.running(3)
+    m = metrics.metrics
+    assert m["specinfer:requests"].calls == [(1, {"status": "OK", "api": "grpc"}),
+                                             (1, {"status": "INVALID_ARGUMENT", "api": "grpc"})]
+    assert m["specinfer:num_requests_running"].calls == [(3, {})]
 
 
 def test_prometheus_text_parsing():
