@@ -130,6 +130,26 @@ def remote_hold(verifier) -> Callable[[int], None]:
     return lambda count: ray.get(verifier.hold_next_batch.remote(count), timeout=60)
 
 
+@contextmanager
+def own_app(serving: str, args: dict, name: str, route_prefix: str):
+    """An application next to the shared one, for one module, deleted at the end: (a gRPC client
+    on it, its Serve handle, the HTTP base URL of its routes)."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    from cluster.serve_app import app_builder
+    from cluster.serve_client import Client
+
+    serve.run(app_builder(args), name=name, route_prefix=route_prefix, blocking=False)
+    http = _get_global_client().http_config
+    try:
+        with Client(serving, application=name) as client:
+            client.wait_ready(300)
+            yield client, serve.get_app_handle(name), f"http://{http.host}:{http.port}{route_prefix}"
+    finally:
+        serve.delete(name)
+
+
 def http_health(url: str) -> tuple[int, str]:
     """(HTTP status, the body's "status") of the replica's GET /health."""
     try:
