@@ -106,7 +106,7 @@ def test_states_are_released_on_every_rank(engines):
 
 
 def test_failed_rank_fails_fast_and_group_is_rebuilt(ray_session, tiny_args):
-    """Kill rank 1: the next call fails within seconds (not the collective timeout), the old
+    """Kill rank 1: the next call fails by the dead rank (not the collective timeout), the old
     request's state is gone, and a new request runs on a rebuilt group with the same output."""
     import ray
 
@@ -123,10 +123,9 @@ def test_failed_rank_fails_fast_and_group_is_rebuilt(ray_session, tiny_args):
         state = target.new_state()
         target.prefill(state, prompt)
         ray.kill(target.group.ranks[1], no_restart=True)
-        began = time.monotonic()
-        with pytest.raises(RanksFailed):
+        with pytest.raises(RanksFailed) as failed:
             target.forward_tree(state, TokenTree.root_only(3))
-        assert time.monotonic() - began < 10
+        assert isinstance(failed.value.__cause__, ray.exceptions.RayError), failed.value  # a rank's, not the timeout
         assert not glob.glob(f"/dev/shm/deepspeed_*_{address[0]}_{address[1]}_*")
         with pytest.raises(StateLost):
             target.forward_tree(state, TokenTree.root_only(3))
@@ -228,7 +227,7 @@ def test_packed_logits_tp2_match_tp1(batched_engines):
 
 
 def test_killed_rank_fails_batch_fast_and_rebuilt_group_serves(batched_engines, tiny_models):
-    """Kill rank 1: the next packed forward fails within seconds with RanksFailed; a request of the
+    """Kill rank 1: the next packed forward fails by the dead rank with RanksFailed; a request of the
     old group then fails alone (StateLost) while a new request in the same forward is served by
     the rebuilt group; every block comes back. Runs last: it restarts the module's group."""
     import ray
@@ -244,10 +243,9 @@ def test_killed_rank_fails_batch_fast_and_rebuilt_group_serves(batched_engines, 
     model.forward([chain_item(old, list(range(20, 40)))])
     old.keep(list(range(20)))
     ray.kill(group.ranks[1], no_restart=True)
-    began = time.monotonic()
-    with pytest.raises(RanksFailed):
+    with pytest.raises(RanksFailed) as failed:
         model.forward([chain_item(old, [5])])
-    assert time.monotonic() - began < 10
+    assert isinstance(failed.value.__cause__, ray.exceptions.RayError), failed.value  # a rank's, not the timeout
     assert not glob.glob(f"/dev/shm/deepspeed_*_{address[0]}_{address[1]}_*")
     old.truncate(old.length)
     new = PagedSequence(pool, reserve_tokens=64)
