@@ -188,17 +188,16 @@ def test_overload_beyond_admission_and_deadlines_under_load(load_app):
         try:
             for call in calls:
                 next(call)  # admitted and prefilled: the load is running
-            ray.get(verifier.hold_next_batch.remote(10**6))  # no step runs until the hold is lifted
-            holder = reserve_the_pool(verifier)
-            with pytest.raises(grpc.RpcError) as refused:
-                client.generate(build_request("over the pool", max_new_tokens=LONG), timeout=60)
-            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "KV memory" in refused.value.details()
-            with pytest.raises(grpc.RpcError) as caught:
-                client.generate(build_request("deadline", max_new_tokens=LONG), timeout=0.5)
-            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            with batch_hold(remote_hold(verifier), 10**6):  # no step runs until the hold is lifted
+                holder = reserve_the_pool(verifier)
+                with pytest.raises(grpc.RpcError) as refused:
+                    client.generate(build_request("over the pool", max_new_tokens=LONG), timeout=60)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "KV memory" in refused.value.details()
+                with pytest.raises(grpc.RpcError) as caught:
+                    client.generate(build_request("deadline", max_new_tokens=LONG), timeout=0.5)
+                assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         finally:
-            ray.get(verifier.hold_next_batch.remote(0))
             if holder is not None:
                 ray.get(verifier.release.remote(holder))
             for call in calls:
