@@ -400,19 +400,46 @@ def test_releases_are_not_children_of_the_requests_task(ray_session):  # noqa: F
 # --- distribution ------------------------------------------------------------------------
 
 
+def drafter_hold(ssm):
+    """An SSM actor's drafter batcher ``hold_next``, run inside the actor (``__ray_call__``), for
+    ``batch_hold``: the actor has no method of its own for it."""
+    import ray
+
+    return lambda count: ray.get(ssm.__ray_call__.remote(lambda actor, n: actor.drafter.batcher.hold_next(n), count),
+                                 timeout=60)
+
+
 @pytest.mark.ray
-def test_ssm_actors_draft_concurrently(serving, ingress):  # noqa: F811
+def test_ssm_actors_draft_concurrently(serving, ingress, local_engine, tiny_args):  # noqa: F811
+    """The ingress sends a step's drafts to every SSM before it awaits any: while SSM a's forwards
+    are held (a barrier the test lifts), SSM b drafts the request's first tree. Sent one after the
+    other, b's draft would wait for a's, which waits for the test: b would draft nothing."""
     import ray
 
     actors = ingress.actors.remote().result()
     a, b = actors["ssm/ssm-a"], actors["ssm/ssm-b"]
-    before = {t.request_id for t in ray.get(a.draft_timings.remote())}
-    with Client(serving) as client:
-        client.generate(build_request(PROMPTS[0], max_new_tokens=40), timeout=60)
-    runs_a, runs_b = ([t for t in ray.get(x.draft_timings.remote()) if t.request_id not in before] for x in (a, b))
-    assert len(runs_a) == len(runs_b) > 5
-    overlapping = sum(x.start < y.end and y.start < x.end for x, y in zip(runs_a, runs_b))
-    assert overlapping >= max(1, len(runs_a) // 3), (overlapping, len(runs_a))  # ~90% on an idle 2-core box
+    before = {t.request_id for t in ray.get(b.draft_timings.remote())}
+
+    def runs(ssm) -> list:
+        return [t for t in ray.get(ssm.draft_timings.remote()) if t.request_id not in before]
+
+    _, expected = local_result(local_engine, tiny_args, PROMPTS[0], max_new_tokens=40)
+    reply: dict = {}
+
+    def ask() -> None:
+        with Client(serving) as client:
+            reply["response"] = client.generate(build_request(PROMPTS[0], max_new_tokens=40), timeout=120)
+
+    asking = threading.Thread(target=ask)
+    with batch_hold(drafter_hold(a), 2):  # SSM a's next forward waits for a second one: none comes
+        asking.start()
+        assert wait_until(lambda: runs(b), timeout_s=60), "SSM b drafted nothing while SSM a was held"
+        assert runs(a) == []  # a is still held: b's draft did not wait for it
+    asking.join(120)
+    assert list(reply["response"].token_ids) == list(expected.token_ids)
+    runs_a, runs_b = runs(a), runs(b)
+    assert {t.request_id for t in runs_a} == {t.request_id for t in runs_b} and len(runs_a) == len(runs_b) > 5
+    assert runs_b[0].end < runs_a[0].end  # the first step: b finished while a was still held
 
 
 # --- command line --------------------------------------------------------------------------
