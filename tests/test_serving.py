@@ -418,7 +418,7 @@ def test_ssm_actors_draft_concurrently(serving, ingress, local_engine, tiny_args
 
     actors = ingress.actors.remote().result()
     a, b = actors["ssm/ssm-a"], actors["ssm/ssm-b"]
-    before = {t.request_id for t in ray.get(b.draft_timings.remote())}
+    before = {t.request_id for ssm in (a, b) for t in ray.get(ssm.draft_timings.remote())}
 
     def runs(ssm) -> list:
         return [t for t in ray.get(ssm.draft_timings.remote()) if t.request_id not in before]
