@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -227,13 +228,29 @@ def test_killed_verifier_fails_in_flight_fast_then_serves(faults_app, local_engi
     assert list(reply.token_ids) == reference(local_engine, tiny_args, "after the rebuild", 24)
 
 
+def occupy(ssm, count: int, release: Path) -> list:
+    """``count`` calls that hold SSM threads (``__ray_call__``) until ``release`` exists (at most
+    300 s): with every thread of its max_concurrency held, its ``ping`` waits, as while it restarts."""
+
+    def hold(actor, path: str) -> None:  # local: Ray pickles it by value
+        import os
+        import time
+
+        deadline = time.monotonic() + 300
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    return [ssm.__ray_call__.remote(hold, str(release)) for _ in range(count)]
+
+
 @pytest.mark.ray
-def test_health_not_serving_while_an_actor_is_down(faults_app):
-    """NOT_SERVING / 503 while a killed SSM restarts (its process starts and loads its model), then
-    SERVING / 200; Serve's check_health keeps passing (down far less than unhealthy_after_s)."""
+def test_health_not_serving_while_an_actor_is_down(faults_app, tiny_args, tmp_path):
+    """NOT_SERVING / 503 while an SSM does not answer (its threads held by the test, so the window
+    stays open until both are seen: no race with a restart), then, killed and restarted, SERVING /
+    200; Serve's check_health keeps passing (down far less than unhealthy_after_s)."""
     client, app, health_url = faults_app
     assert client.serving() and http_health(health_url)[0] == 200
-    kill(app.actors.remote().result()["ssm/ssm-b"])
+    ssm, release = app.actors.remote().result()["ssm/ssm-b"], tmp_path / "release"
     seen: set[str] = set()
 
     def both_seen() -> bool:
@@ -241,6 +258,11 @@ def test_health_not_serving_while_an_actor_is_down(faults_app):
         seen.update({"503"} if http_health(health_url)[0] == 503 else set())
         return seen == {"NOT_SERVING", "503"}
 
-    assert wait_until(both_seen, 30, poll_s=0.05), f"while the SSM restarted health answered only {seen or 'OK'}"
-    assert wait_until(lambda: client.serving() and http_health(health_url)[0] == 200, 120, poll_s=0.5)
+    try:
+        occupy(ssm, tiny_args["server"]["ssm_actor"]["max_concurrency"], release)
+        assert wait_until(both_seen, RECOVERY_BOUND_S, poll_s=0.2), f"health answered only {seen or 'OK'}"
+        kill(ssm)  # the held calls end with its process
+    finally:
+        release.touch()
+    assert wait_until(lambda: client.serving() and http_health(health_url)[0] == 200, RECOVERY_BOUND_S, poll_s=0.5)
     app.check_health.remote().result()
