@@ -6,9 +6,16 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 # Tests never reach a model hub: everything is loaded from local directories.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Every Hypothesis test runs the same examples on every run and machine (derandomised, no example
+# database carried between runs) and is bounded by the suite's timeout, not a per-example deadline
+# that a loaded 2-core box misses. Tests set only max_examples (and health checks) themselves.
+settings.register_profile("specinfer", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.load_profile("specinfer")
 
 
 @pytest.fixture(scope="session")
@@ -37,9 +44,12 @@ def qwen_models_dir(models_cache_dir: Path) -> Path:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need a CUDA device; skip them where there is none."""
+    """In-process tests first, Ray ones last (a stable sort: each keeps its order), so Ray's
+    processes do not compete with the in-process tests for the CPUs; tests marked ``gpu`` need a
+    CUDA device: skipped where there is none."""
     import torch
 
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -11,6 +11,8 @@ import os
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,44 @@ def wait_until(predicate, timeout_s: float = 15.0, poll_s: float = 0.1) -> bool:
         time.sleep(poll_s)
     return predicate()
 
+
+@contextmanager
+def batch_hold(set_hold: Callable[[int], object], count: int) -> Iterator[None]:
+    """The next packed forward waits for ``count`` requests inside the block; the hold is always
+    lifted at its end (``set_hold(0)``), so a failing test cannot leave every later request on a
+    shared engine or app frozen. ``set_hold``: a batcher's ``hold_next`` or ``remote_hold(actor)``."""
+    set_hold(count)
+    try:
+        yield
+    finally:
+        set_hold(0)
+
+
+def remote_hold(verifier) -> Callable[[int], None]:
+    """A verifier actor's ``hold_next_batch`` as a blocking call (for ``batch_hold``)."""
+    import ray
+
+    return lambda count: ray.get(verifier.hold_next_batch.remote(count), timeout=60)
+
+
+@contextmanager
+def own_app(serving: str, args: dict, name: str, route_prefix: str):
+    """An application next to the shared one, for one module, deleted at the end: (a gRPC client
+    on it, its Serve handle, the HTTP base URL of its routes)."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    from cluster.serve_app import app_builder
+    from cluster.serve_client import Client
+
+    serve.run(app_builder(args), name=name, route_prefix=route_prefix, blocking=False)
+    http = _get_global_client().http_config
+    try:
+        with Client(serving, application=name) as client:
+            client.wait_ready(300)
+            yield client, serve.get_app_handle(name), f"http://{http.host}:{http.port}{route_prefix}"
+    finally:
+        serve.delete(name)
 
 
 def http_health(url: str) -> tuple[int, str]:

@@ -28,6 +28,7 @@ from engine.packed import ForwardItem, PagedModel, chain_item
 from engine.sampling import SamplingParams
 from engine.target import TargetModel
 from engine.tree import TokenTree, ancestor_mask, positions
+from serving_fixtures import batch_hold
 from tests.tiny_models import IdTokenizer, reference_greedy, tiny_model
 
 VOCAB = 97
@@ -262,7 +263,7 @@ def test_reservation_admits_by_memory():
     assert (pool.num_free, pool.num_unreserved) == (4, 4)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(st.lists(st.tuples(st.sampled_from(["append", "keep", "truncate", "release"]), st.integers(0, 3),
                           st.integers(1, 9)), max_size=40))
 def test_pool_accounting_property(operations):
@@ -505,12 +506,12 @@ def test_prompts_arriving_together_are_prefilled_one_chunk_budget_at_a_time(mode
     def run(i):
         logits[i] = feed(batcher, PagedSequence(pool), prompts[i], prompt=True)
 
-    batcher.hold_next(3)  # all three queued before the first forward, whatever the timing
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    with batch_hold(batcher.hold_next, 3):  # all three queued before the first forward, whatever the timing
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
     assert len(per_forward) == 2 and max(per_forward) <= 8 and sum(per_forward) == 12, per_forward
     alone_pool, alone = paged_parts(target, 256, 4)
     for prompt, got in zip(prompts, logits):
@@ -677,12 +678,12 @@ def test_a_thread_whose_result_is_ready_returns_instead_of_leading_the_next_forw
 
     batcher.model.forward = recording
     for _ in range(10):
-        batcher.hold_next(3)  # all three queued before the first forward
         threads = [threading.Thread(target=run, args=(n,)) for n in (2, 5, 6)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        with batch_hold(batcher.hold_next, 3):  # all three queued before the first forward
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
     assert len(leaders) == 30 and all(leaders), leaders
 
 

@@ -411,7 +411,7 @@ def _distribution(weights: list[float]) -> np.ndarray:
     return weights / weights.sum()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(p=WEIGHTS, q=WEIGHTS, q2=WEIGHTS, rule=st.sampled_from(["sampled", "sampled_without_replacement", "top_k"]),
        k=st.integers(1, 3))
 def test_rule_is_lossless_and_beats_naive_sampling_for_any_p_and_q(p, q, q2, rule, k):

@@ -9,7 +9,7 @@ from settings.config import EngineConfig
 from engine.models import OneDNNLinear, PackedOneDNNLinear
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.shape import TreeCost
-from tests.tiny_models import reference_greedy
+from tests.tiny_models import greedy_to_eos
 
 SMOL_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
@@ -43,9 +43,9 @@ def test_smollm2_with_itself_accepts_all(smol_self, mode, expansion, proposers):
     options = SpeculationOptions(mode=mode, expansion=expansion, sequence_depth=4, proposers=proposers,
                                  policy="schedule")
     result = engine.generate(GenerationRequest(tuple(prompt), 48, speculation=options))
-    expected = reference_greedy(engine.target.model, prompt, 48, eos=None)
-    assert list(result.token_ids) == expected[: len(result.token_ids)]
-    assert result.finish_reason == "length" or result.token_ids[-1] in engine.eos_ids
+    expected = greedy_to_eos(engine.target.model, prompt, 48, engine.eos_ids)
+    assert list(result.token_ids) == expected
+    assert result.finish_reason == ("length" if len(expected) == 48 else "stop")
     if mode != "incremental":
         depth = 4 if mode == "sequence" else len(expansion)
         assert result.stats.accepted_per_depth[depth - 1] >= result.stats.target_steps - 3
@@ -68,7 +68,7 @@ def test_smollm2_cost_aware_with_itself(smol_self):
         result = engine.generate(GenerationRequest(tuple(prompt), 48, speculation=options))
     finally:
         engine.cost = measured
-    assert list(result.token_ids) == reference_greedy(engine.target.model, prompt, 48, eos=None)[: len(result.token_ids)]
+    assert list(result.token_ids) == greedy_to_eos(engine.target.model, prompt, 48, engine.eos_ids)
     assert result.stats.tokens_per_step > 2.0 and max(result.stats.tree_sizes) > 2
 
 
@@ -79,7 +79,7 @@ def test_smollm2_with_truncated_copy_rejects_most(smol_truncated, mode, expansio
     options = SpeculationOptions(mode=mode, expansion=expansion, sequence_depth=4, proposers=("ssm",),
                                  policy="schedule")
     result = engine.generate(GenerationRequest(tuple(prompt), 48, speculation=options))
-    assert list(result.token_ids) == reference_greedy(engine.target.model, prompt, 48)[: len(result.token_ids)]
+    assert list(result.token_ids) == greedy_to_eos(engine.target.model, prompt, 48, engine.eos_ids)
     assert result.stats.accepted_per_proposer.get("ssm", 0) < result.stats.draft_tokens / 4
 
 
@@ -101,5 +101,5 @@ def test_default_qwen_pair_fp32(qwen_models_dir, cpu_linears):
     assert len(prompt) >= 32
     prompt = prompt[:32]
     result = engine.generate(GenerationRequest(tuple(prompt), 32, speculation=SpeculationOptions(expansion=(2, 2, 1, 1))))
-    assert list(result.token_ids) == reference_greedy(engine.target.model, prompt, 32)[: len(result.token_ids)]
+    assert list(result.token_ids) == greedy_to_eos(engine.target.model, prompt, 32, engine.eos_ids)
     assert result.stats.tokens_per_step > 1.5

@@ -30,8 +30,8 @@ from serving_fixtures import (http_base, ray_session, serving, tiny_args, tiny_m
 
 MODEL = "tiny-target"
 TALLY: Counter = Counter()  # (surface, answer) -> cases
-FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+# Derandomised, no database, no deadline: the suite's profile (tests/conftest.py).
+FUZZ = settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
 GRPC_OK = {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
 HTTP_OK = {200, 400, 404, 429}

@@ -18,8 +18,8 @@ import pytest
 
 from bench.load_faults import concurrency_for, load_args
 from cluster.serve_client import Client, build_request
-from serving_fixtures import (http_health, local_engine, ray_session, serving, tiny_args,  # noqa: F401
-                              tiny_models)
+from serving_fixtures import (batch_hold, http_health, local_engine, ray_session, remote_hold,  # noqa: F401
+                              serving, tiny_args, tiny_models)
 from test_serving import LONG, local_result, reserve_the_pool, wait_until
 
 LOAD_APP = "specinfer-load"
@@ -188,17 +188,16 @@ def test_overload_beyond_admission_and_deadlines_under_load(load_app):
         try:
             for call in calls:
                 next(call)  # admitted and prefilled: the load is running
-            ray.get(verifier.hold_next_batch.remote(10**6))  # no step runs until the hold is lifted
-            holder = reserve_the_pool(verifier)
-            with pytest.raises(grpc.RpcError) as refused:
-                client.generate(build_request("over the pool", max_new_tokens=LONG), timeout=60)
-            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "KV memory" in refused.value.details()
-            with pytest.raises(grpc.RpcError) as caught:
-                client.generate(build_request("deadline", max_new_tokens=LONG), timeout=0.5)
-            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            with batch_hold(remote_hold(verifier), 10**6):  # no step runs until the hold is lifted
+                holder = reserve_the_pool(verifier)
+                with pytest.raises(grpc.RpcError) as refused:
+                    client.generate(build_request("over the pool", max_new_tokens=LONG), timeout=60)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "KV memory" in refused.value.details()
+                with pytest.raises(grpc.RpcError) as caught:
+                    client.generate(build_request("deadline", max_new_tokens=LONG), timeout=0.5)
+                assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         finally:
-            ray.get(verifier.hold_next_batch.remote(0))
             if holder is not None:
                 ray.get(verifier.release.remote(holder))
             for call in calls:
@@ -223,16 +222,16 @@ def test_drain_finishes_running_streams_and_refuses_new_ones(load_app, local_eng
     verifier = handle.actors.remote().result()["verifier"]
     http = _get_global_client().http_config
     with Client(address, LOAD_APP) as client:
-        ray.get(verifier.hold_next_batch.remote(2))
-        call = client.stream(build_request(PROMPTS[0], max_new_tokens=LONG), timeout=300)
-        assert wait_until(lambda: handle.num_active.remote().result() == 1, timeout_s=60)  # admitted, frozen
-        drained = handle.drain.remote(120.0)
-        assert wait_until(lambda: _refused(client), timeout_s=60)
-        assert client.health_status() == "NOT_SERVING"
-        assert http_health(f"http://{http.host}:{http.port}/load/health") == (503, "draining")
-        handle.check_health.remote().result()  # a drain is no reason to replace the replica
-        ray.get(verifier.prefill.remote("unfreeze", [1, 2, 3], SamplingParams()))  # the second forward
-        ray.get(verifier.release.remote("unfreeze"))
+        with batch_hold(remote_hold(verifier), 2):
+            call = client.stream(build_request(PROMPTS[0], max_new_tokens=LONG), timeout=300)
+            assert wait_until(lambda: handle.num_active.remote().result() == 1, timeout_s=60)  # admitted, frozen
+            drained = handle.drain.remote(120.0)
+            assert wait_until(lambda: _refused(client), timeout_s=60)
+            assert client.health_status() == "NOT_SERVING"
+            assert http_health(f"http://{http.host}:{http.port}/load/health") == (503, "draining")
+            handle.check_health.remote().result()  # a drain is no reason to replace the replica
+            ray.get(verifier.prefill.remote("unfreeze", [1, 2, 3], SamplingParams()))  # the second forward
+            ray.get(verifier.release.remote("unfreeze"))
         tokens = [t for chunk in call for t in chunk.token_ids]
     assert tokens == expected
     assert drained.result(timeout_s=180) == 0

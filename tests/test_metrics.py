@@ -1,9 +1,11 @@
 """Prometheus metrics, health and reflection of the served application.
 
 The Ray tests share the session's Ray + Serve instance (tests/serving_fixtures.py) and read the
-metrics the way Prometheus does: from the node's metrics export port. Counters are cumulative over
-the session, so each test waits until the endpoint is settled, sends one request and checks the
-increase against the statistics that request returned.
+metrics the way Prometheus does: from the node's metrics export port. The requests whose metrics
+are checked go to an application of this module alone (``specinfer-metrics``): its series count
+this module's requests and nothing else, so a test knows what they held before it (nothing, or
+what the tests before it checked had arrived) instead of waiting for the endpoint to look still.
+Each test sends its requests and polls until the increase equals the statistics they returned.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import pytest
 from cluster.metrics import (SPECS, RequestObservation, ServingMetrics, exported_name, observed, parse_samples,
                              sample_sum)
 from cluster.serve_client import Client, build_request
-from serving_fixtures import (http_base, ingress, metrics_url, ray_session, serving,  # noqa: F401 (fixtures)
-                              tiny_args, tiny_models)
+from serving_fixtures import (metrics_url, own_app, ray_session, serving,  # noqa: F401 (fixtures)
+                              tiny_args, tiny_models, wait_until)
 
-APP = {"application": "specinfer"}
-SETTLE_S = 2.5  # > 2 report intervals (RAY_metrics_report_interval_ms=1000 in the fixture)
+APP_NAME = "specinfer-metrics"
+APP = {"application": APP_NAME}
 PROMPT = "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)"
 
 COUNTERS = ["specinfer:spec_decode_num_draft_tokens", "specinfer:spec_decode_num_accepted_tokens",
@@ -139,15 +141,35 @@ def test_refused_and_cancelled_requests_are_counted_by_status():
     assert status_name(asyncio.CancelledError()) == "CANCELLED"
 
 
-def test_metric_failures_do_not_fail_requests():
-    class Broken(FakeMetric):
-        def inc(self, value=1.0, tags=None):
-            raise RuntimeError("metrics agent gone")
+class BrokenMetric(FakeMetric):
+    """Every write is recorded, then fails as it would with the metrics agent gone."""
 
-    metrics = ServingMetrics(factory=Broken)
-    with observed(metrics, RequestObservation("grpc"), lambda error: "INTERNAL"):
-        pass  # no exception escapes
+    def inc(self, value=1.0, tags=None):
+        super().inc(value, tags)
+        raise RuntimeError("metrics agent gone")
+
+    def observe(self, value, tags=None):
+        super().observe(value, tags)
+        raise RuntimeError("metrics agent gone")
+
+    set = observe
+
+
+def test_metric_failures_do_not_fail_requests():
+    """A failing metric never changes a request's outcome: its result and its own error pass
+    through unchanged, and the write was really attempted (it failed, it was not skipped)."""
+    metrics = ServingMetrics(factory=BrokenMetric)
+    with observed(metrics, RequestObservation("grpc"), lambda error: "INTERNAL") as observation:
+        observation.admitted(3)
+    assert observation.status == "OK"
+    with pytest.raises(KeyError, match="the request's own"), \
+            observed(metrics, RequestObservation("grpc"), lambda error: "INVALID_ARGUMENT"):
+        raise KeyError("the request's own error")
     metrics.running(3)
+    m = metrics.metrics
+    assert m["specinfer:requests"].calls == [(1, {"status": "OK", "api": "grpc"}),
+                                             (1, {"status": "INVALID_ARGUMENT", "api": "grpc"})]
+    assert m["specinfer:num_requests_running"].calls == [(3, {})]
 
 
 def test_prometheus_text_parsing():
@@ -165,6 +187,40 @@ def test_prometheus_text_parsing():
     assert sample_sum(text, "ray_y") == 7.0 and sample_sum(text, "ray_z") == 0.0
 
 
+# --- served: health and reflection ------------------------------------------------------------
+# (before the metrics tests: without the application metadata, Serve routes to its one application,
+# and those tests deploy a second one for this module)
+
+
+@pytest.mark.ray
+def test_grpc_health_check_is_serving(serving):  # noqa: F811
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(serving) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "specinfer.v1.SpecInfer"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10,
+                                 metadata=(("application", "specinfer"),))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        # without the application metadata too (one application: Serve routes to it)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+            health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.ray
+def test_grpc_server_reflection_lists_and_describes_the_service(serving):  # noqa: F811
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(serving) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        services = set(database.get_services())
+        assert {"specinfer.v1.SpecInfer", "grpc.health.v1.Health"} <= services
+        service = DescriptorPool(database).FindServiceByName("specinfer.v1.SpecInfer")
+        assert {m.name for m in service.methods} == {"Generate", "GenerateStream"}
+        assert service.methods_by_name["GenerateStream"].output_type.full_name == "specinfer.v1.GenerateChunk"
+
+
 # --- served: the metrics endpoint -------------------------------------------------------------
 
 
@@ -173,33 +229,21 @@ def scrape(url: str) -> str:
         return response.read().decode()
 
 
-def series(text: str) -> dict:
-    """Every specinfer sample of the application, keyed by (name, sorted labels without per-process ones)."""
-    keep = ("status", "api", "ssm", "position", "le")
-    out: dict = {}
-    for name, labels, value in parse_samples(text):
-        if name.startswith("ray_specinfer_") and labels.get("application") == "specinfer":
-            key = (name, tuple(sorted((k, v) for k, v in labels.items() if k in keep)))
-            out[key] = out.get(key, 0.0) + value
-    return out
+@pytest.fixture(scope="module")
+def metrics_app(serving, tiny_args):  # noqa: F811
+    """(gRPC address, Serve handle, HTTP base URL) of an application only this module sends to."""
+    with own_app(serving, tiny_args, APP_NAME, "/metrics-app") as (_, handle, base_url):
+        yield serving, handle, base_url
 
 
-def settled(url: str, ingress, timeout_s: float = 60.0) -> str:  # noqa: F811
-    """The endpoint's text once no request runs and two scrapes SETTLE_S apart agree."""
-    deadline = time.monotonic() + timeout_s
-    while ingress.num_active.remote().result() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    previous = scrape(url)
-    while time.monotonic() < deadline:
-        time.sleep(SETTLE_S)
-        current = scrape(url)
-        if series(current) == series(previous) and not ingress.num_active.remote().result():
-            return current
-        previous = current
-    pytest.fail("the metrics endpoint did not settle")
+def idle_scrape(url: str, handle) -> str:
+    """The endpoint's text once no request of the module's application runs. Its series hold only
+    what this module's earlier tests sent, and each of those polled until its figures arrived."""
+    assert wait_until(lambda: not handle.num_active.remote().result(), timeout_s=60)
+    return scrape(url)
 
 
-def wait_for(url: str, check, timeout_s: float = 30.0) -> str:
+def wait_for(url: str, check, timeout_s: float = 60.0) -> str:
     """Scrape until ``check(text)`` holds; return the last text (the caller asserts on it)."""
     deadline = time.monotonic() + timeout_s
     text = scrape(url)
@@ -218,12 +262,13 @@ def total(text: str, name: str, **labels: str) -> float:
 
 
 @pytest.mark.ray
-def test_metrics_equal_the_request_statistics(serving, ingress, metrics_url, tiny_models):  # noqa: F811
+def test_metrics_equal_the_request_statistics(metrics_app, metrics_url, tiny_models):  # noqa: F811
     from transformers import AutoTokenizer
 
+    address, handle, _ = metrics_app
     prompt_tokens = len(AutoTokenizer.from_pretrained(tiny_models["target"]).encode(PROMPT))
-    before = settled(metrics_url, ingress)
-    with Client(serving) as client:
+    before = idle_scrape(metrics_url, handle)
+    with Client(address, application=APP_NAME) as client:
         reply = client.generate(build_request(PROMPT, max_new_tokens=40), timeout=60)
     stats = reply.stats
     assert stats.new_tokens == 40 and stats.draft_tokens > 0 and stats.accepted_tokens > 0
@@ -271,17 +316,18 @@ def test_metrics_equal_the_request_statistics(serving, ingress, metrics_url, tin
             sample_sum(before, "ray_specinfer_tokens_per_step_bucket", le=_le(bound), **APP)
         assert added == (1 if stats.tokens_per_step <= bound else 0), (bound, stats.tokens_per_step)
     running = [v for name, labels, v in parse_samples(after)
-               if name == exported_name("specinfer:num_requests_running") and labels.get("application") == "specinfer"]
+               if name == exported_name("specinfer:num_requests_running") and labels.get("application") == APP_NAME]
     assert running and sum(running) == 0
 
 
 @pytest.mark.ray
-def test_refused_requests_are_counted_by_status(serving, ingress, metrics_url, http_base):  # noqa: F811
+def test_refused_requests_are_counted_by_status(metrics_app, metrics_url):  # noqa: F811
     import json
     import urllib.error
 
-    before = settled(metrics_url, ingress)
-    with Client(serving) as client:
+    address, handle, http_base = metrics_app
+    before = idle_scrape(metrics_url, handle)
+    with Client(address, application=APP_NAME) as client:
         with pytest.raises(grpc.RpcError) as caught:
             client.generate(build_request(PROMPT, max_new_tokens=0), timeout=30)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -301,35 +347,3 @@ def test_refused_requests_are_counted_by_status(serving, ingress, metrics_url, h
     assert counted(after, "grpc") == 2 and counted(after, "openai") == 1
     assert total(after, "specinfer:requests", status="OK") == total(before, "specinfer:requests", status="OK")
     assert total(after, "specinfer:target_steps") == total(before, "specinfer:target_steps")  # no work counted
-
-
-# --- served: health and reflection ------------------------------------------------------------
-
-
-@pytest.mark.ray
-def test_grpc_health_check_is_serving(serving):  # noqa: F811
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(serving) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        for service in ("", "specinfer.v1.SpecInfer"):
-            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10,
-                                 metadata=(("application", "specinfer"),))
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        # without the application metadata too (one application: Serve routes to it)
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
-            health_pb2.HealthCheckResponse.SERVING
-
-
-@pytest.mark.ray
-def test_grpc_server_reflection_lists_and_describes_the_service(serving):  # noqa: F811
-    from google.protobuf.descriptor_pool import DescriptorPool
-    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-
-    with grpc.insecure_channel(serving) as channel:
-        database = ProtoReflectionDescriptorDatabase(channel)
-        services = set(database.get_services())
-        assert {"specinfer.v1.SpecInfer", "grpc.health.v1.Health"} <= services
-        service = DescriptorPool(database).FindServiceByName("specinfer.v1.SpecInfer")
-        assert {m.name for m in service.methods} == {"Generate", "GenerateStream"}
-        assert service.methods_by_name["GenerateStream"].output_type.full_name == "specinfer.v1.GenerateChunk"

@@ -211,7 +211,7 @@ def is_tree_by_rank(proposal: Proposal, max_nodes: int) -> bool:
     return proposal.tree.size <= max_nodes and all(0 <= p < i for i, p in enumerate(parents) if i)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30)
 @given(st.integers(1, 5), st.integers(1, 5), st.integers(1, 6), st.integers(2, 40),
        st.floats(0.0, 50.0), st.integers(0, 10_000))
 def test_cost_aware_trees_are_trees_within_budget(beam, branch, depth, max_nodes, slope, seed):

@@ -35,7 +35,7 @@ def drafters():
 NAMES, NEURAL = ("ssm0", "ssm1", "suffix"), (True, True, False)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schedule=st.lists(st.integers(1, 3), min_size=1, max_size=4), max_nodes=st.integers(1, 40),
        mode=st.sampled_from(("tree", "sequence", "incremental")), children=st.sampled_from(CHILDREN_RULES),
        temperature=st.sampled_from((0.0, 0.9)), confidence=st.sampled_from((0.0, 0.05)),

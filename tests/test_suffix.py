@@ -32,7 +32,7 @@ def run_request(drafter: SuffixDrafter, prompt: list[int], output: list[int], ad
     return state.key
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(committed=st.lists(st.integers(0, 5), min_size=2, max_size=60),
        max_nodes=st.one_of(st.none(), st.integers(1, 40)), adaptive=st.booleans(), steps=st.integers(1, 4))
 def test_proposals_are_trees_within_the_budget(committed, max_nodes, adaptive, steps):

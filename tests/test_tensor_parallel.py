@@ -18,7 +18,8 @@ import torch
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.kv_pool import PagedSequence
 from engine.tree import TokenTree
-from serving_fixtures import ray_session, serving, tiny_args, tiny_models  # noqa: F401  (fixtures)
+from serving_fixtures import (batch_hold, ray_session, remote_hold, serving, tiny_args,  # noqa: F401  (fixtures)
+                              tiny_models)
 from tests.test_batching import run_threads
 from tests.tiny_models import reference_greedy
 
@@ -105,7 +106,7 @@ def test_states_are_released_on_every_rank(engines):
 
 
 def test_failed_rank_fails_fast_and_group_is_rebuilt(ray_session, tiny_args):
-    """Kill rank 1: the next call fails within seconds (not the collective timeout), the old
+    """Kill rank 1: the next call fails by the dead rank (not the collective timeout), the old
     request's state is gone, and a new request runs on a rebuilt group with the same output."""
     import ray
 
@@ -122,10 +123,9 @@ def test_failed_rank_fails_fast_and_group_is_rebuilt(ray_session, tiny_args):
         state = target.new_state()
         target.prefill(state, prompt)
         ray.kill(target.group.ranks[1], no_restart=True)
-        began = time.monotonic()
-        with pytest.raises(RanksFailed):
+        with pytest.raises(RanksFailed) as failed:
             target.forward_tree(state, TokenTree.root_only(3))
-        assert time.monotonic() - began < 10
+        assert isinstance(failed.value.__cause__, ray.exceptions.RayError), failed.value  # a rank's, not the timeout
         assert not glob.glob(f"/dev/shm/deepspeed_*_{address[0]}_{address[1]}_*")
         with pytest.raises(StateLost):
             target.forward_tree(state, TokenTree.root_only(3))
@@ -172,8 +172,8 @@ def batched_engines(ray_session, tiny_args):
 
 def run_concurrently(engine, requests: list[GenerationRequest]) -> list[list[int]]:
     """Each request on its own thread; the first forwards of all of them share one packed forward."""
-    engine.target.batcher.hold_next(len(requests))  # sharing made certain, not a matter of timing
-    return run_threads(engine, requests, delays=[0.0] * len(requests))
+    with batch_hold(engine.target.batcher.hold_next, len(requests)):  # sharing made certain, not timing
+        return run_threads(engine, requests, delays=[0.0] * len(requests))
 
 
 BATCHES = [  # concurrent requests: (prompt, max_new_tokens, speculation)
@@ -227,7 +227,7 @@ def test_packed_logits_tp2_match_tp1(batched_engines):
 
 
 def test_killed_rank_fails_batch_fast_and_rebuilt_group_serves(batched_engines, tiny_models):
-    """Kill rank 1: the next packed forward fails within seconds with RanksFailed; a request of the
+    """Kill rank 1: the next packed forward fails by the dead rank with RanksFailed; a request of the
     old group then fails alone (StateLost) while a new request in the same forward is served by
     the rebuilt group; every block comes back. Runs last: it restarts the module's group."""
     import ray
@@ -243,10 +243,9 @@ def test_killed_rank_fails_batch_fast_and_rebuilt_group_serves(batched_engines, 
     model.forward([chain_item(old, list(range(20, 40)))])
     old.keep(list(range(20)))
     ray.kill(group.ranks[1], no_restart=True)
-    began = time.monotonic()
-    with pytest.raises(RanksFailed):
+    with pytest.raises(RanksFailed) as failed:
         model.forward([chain_item(old, [5])])
-    assert time.monotonic() - began < 10
+    assert isinstance(failed.value.__cause__, ray.exceptions.RayError), failed.value  # a rank's, not the timeout
     assert not glob.glob(f"/dev/shm/deepspeed_*_{address[0]}_{address[1]}_*")
     old.truncate(old.length)
     new = PagedSequence(pool, reserve_tokens=64)
@@ -312,12 +311,12 @@ def test_grpc_batched_generation_with_tensor_parallel_verifier(serving, tp2_app,
             with Client(serving, application=TP2_APP) as own:
                 replies[index] = list(own.generate(requests[index], timeout=120).token_ids)
 
-        ray.get(verifier.hold_next_batch.remote(len(requests)))  # their prefills share a forward, certainly
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(requests))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(180)
+        with batch_hold(remote_hold(verifier), len(requests)):  # their prefills share a forward, certainly
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(180)
         assert ray.get(verifier.batch_counters.remote()).largest >= 2
         for reply, request, (prompt, n) in zip(replies, requests, prompts):
             assert reply == list(single.generate(request, timeout=120).token_ids)
@@ -343,11 +342,10 @@ def test_grpc_killed_rank_fails_the_stream_unavailable_and_the_next_request_is_s
     verifier = app.actors.remote().result()["verifier"]
     assert client.generate(build_request("warm", max_new_tokens=2), timeout=120).stats.new_tokens == 2
     (rank1,) = [name for name in rank_actors() if name not in others and name.endswith("/rank-1")]
-    ray.get(verifier.hold_next_batch.remote(10**6))  # no forward runs until the hold is lifted
-    stream = client.stream(build_request("def tree(x):", max_new_tokens=200), timeout=300)
-    assert wait_until(lambda: ray.get(verifier.num_requests.remote()) == 1, timeout_s=60)  # admitted, frozen
-    ray.kill(ray.get_actor(rank1, namespace=rank_actors()[rank1]), no_restart=True)
-    ray.get(verifier.hold_next_batch.remote(0))
+    with batch_hold(remote_hold(verifier), 10**6):  # no forward runs until the hold is lifted
+        stream = client.stream(build_request("def tree(x):", max_new_tokens=200), timeout=300)
+        assert wait_until(lambda: ray.get(verifier.num_requests.remote()) == 1, timeout_s=60)  # admitted, frozen
+        ray.kill(ray.get_actor(rank1, namespace=rank_actors()[rank1]), no_restart=True)
     began = time.monotonic()
     with pytest.raises(grpc.RpcError) as failed:
         for _ in stream:

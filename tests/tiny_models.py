@@ -34,6 +34,16 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | N
     return out[0, len(prompt):].tolist()
 
 
+def greedy_to_eos(model, prompt: list[int], max_new_tokens: int, eos_ids) -> list[int]:
+    """What an engine must answer, greedy: the model's own decoding up to and with its first EOS
+    (an engine stops there: finish_reason "stop"), else all ``max_new_tokens``; never empty."""
+    ids = reference_greedy(model, prompt, max_new_tokens)
+    ends = [i for i, token in enumerate(ids) if token in eos_ids]
+    ids = ids[: ends[0] + 1] if ends else ids
+    assert ids, "no reference tokens"
+    return ids
+
+
 class IdTokenizer:
     """Decodes ids as space-separated numbers: enough for engines that only need text for stop strings."""
 
