@@ -20,7 +20,7 @@ from engine.kv_pool import PagedSequence
 from engine.tree import TokenTree
 from serving_fixtures import (batch_hold, ray_session, remote_hold, serving, tiny_args,  # noqa: F401  (fixtures)
                               tiny_models)
-from tests.test_batching import run_threads
+from tests.test_batching import item_counts, run_loop
 from tests.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.ray
@@ -145,7 +145,8 @@ def test_every_target_has_the_target_protocol_signatures():
     from engine.target import Target, TargetModel
 
     methods = [name for name in dir(Target) if not name.startswith("_")]
-    assert set(methods) == {"new_state", "prefill", "forward_tree", "commit", "release", "shutdown"}
+    assert set(methods) == {"new_state", "prefill", "forward_tree", "commit", "release", "shutdown",
+                            "prefill_program", "tree_program"}
     for target in (TargetModel, PagedTarget, TensorParallelTarget):
         for name in methods:
             expected = list(inspect.signature(getattr(Target, name)).parameters)
@@ -170,10 +171,6 @@ def batched_engines(ray_session, tiny_args):
     engines[1].target.shutdown()
 
 
-def run_concurrently(engine, requests: list[GenerationRequest]) -> list[list[int]]:
-    """Each request on its own thread; the first forwards of all of them share one packed forward."""
-    with batch_hold(engine.target.batcher.hold_next, len(requests)):  # sharing made certain, not timing
-        return run_threads(engine, requests, delays=[0.0] * len(requests))
 
 
 BATCHES = [  # concurrent requests: (prompt, max_new_tokens, speculation)
@@ -193,10 +190,11 @@ def test_batched_tp2_equals_batched_tp1_and_generate(batched_engines, tiny_model
     expected = [reference_greedy(reference, prompt, n) for prompt, n, _ in batch]
     requests = [GenerationRequest(tuple(prompt), n, speculation=spec) for prompt, n, spec in batch]
     for engine in batched_engines:
-        before = engine.target.batcher.counters.forwards
-        assert run_concurrently(engine, requests) == expected
-        counters = engine.target.batcher.counters
-        assert counters.largest >= len(batch) and counters.forwards > before, counters
+        items = item_counts(engine.target.packed)
+        outputs, stats = run_loop(engine, requests, joins=[0] * len(requests))  # all in the loop at once
+        del engine.target.packed.forward  # the recording goes; the class's forward again
+        assert outputs == expected
+        assert items[0] == len(batch) and len(items) == len(stats), items  # one pass per iteration, shared
         assert engine.target.pool.counts() == (engine.target.pool.num_blocks,) * 3  # every block came back
 
 
@@ -255,8 +253,8 @@ def test_killed_rank_fails_batch_fast_and_rebuilt_group_serves(batched_engines, 
     new.release()
     assert pool.counts() == (pool.num_blocks,) * 3
     request = GenerationRequest(tuple(range(50, 70)), 12)
-    assert run_concurrently(batched_engines[1], [request, request]) == [list(batched_engines[0].generate(request)
-                                                                            .token_ids)] * 2
+    outputs, _ = run_loop(batched_engines[1], [request, request], joins=[0, 0])
+    assert outputs == [list(batched_engines[0].generate(request).token_ids)] * 2
 
 
 TP2_APP = "specinfer-tp2"
