@@ -162,6 +162,8 @@ class EngineLoop:
         self.lock = threading.RLock()  # callers on several threads step the one loop in turn
         self._ids = itertools.count()
         self._emitted = 0  # tokens pushed to outboxes in the iteration under way
+        self._in_pass: set[int] = set()  # requests in the executor's phases now (an async step awaits them)
+        self._release_after: list[int] = []  # finished while in the pass: their states go back after it
 
     # -- The caller's side. -------------------------------------------------------------------
 
@@ -193,7 +195,8 @@ class EngineLoop:
             return updates
 
     def cancel(self, request_id: int) -> None:
-        """Drop a request wherever it is (idempotent); its states go back at once."""
+        """Drop a request wherever it is (idempotent); its states go back at once, or after the
+        pass it is part of (a cancel from another task while ``step_async`` awaits the executor)."""
         with self.lock:
             entry = self.requests.pop(request_id, None)
             if entry is None or entry.finished:
@@ -243,15 +246,21 @@ class EngineLoop:
             clock, self._emitted = _PhaseClock(), 0
             self.running = [r for r in self.running if not r.finished]  # cancelled since the last iteration
             self._admit()
-            decoding = [r for r in self.running if not r.prefilling]
+            decoding, chunks = [r for r in self.running if not r.prefilling], self._chunks_this_pass()
             plans = {r.id: r.session.plan_step() for r in decoding}
             clock.lap("schedule")
-            jobs = [DraftJob(r.id, tuple(r.session.committed), plans[r.id].assignments) for r in decoding]
-            drafted = await self.executor.draft(jobs)
-            clock.lap("draft")
-            chunks = self._chunks_this_pass()
-            results = await self.executor.verify(drafted, [r.id for r in decoding], [r.id for r in chunks])
-            clock.lap("verify")
+            self._in_pass = {r.id for r in decoding + chunks}
+            try:
+                jobs = [DraftJob(r.id, tuple(r.session.committed), plans[r.id].assignments) for r in decoding]
+                drafted = await self.executor.draft(jobs)
+                clock.lap("draft")
+                results = await self.executor.verify(drafted, [r.id for r in decoding], [r.id for r in chunks])
+                clock.lap("verify")
+            finally:
+                self._in_pass = set()
+                for request_id in self._release_after:
+                    self.executor.release(request_id)
+                self._release_after = []
             counts = self._commit(decoding, plans, chunks, results, clock.ms)
             clock.lap("commit")
             return self._record(counts, clock.ms)
@@ -355,7 +364,10 @@ class EngineLoop:
         entry.finished = True
         if entry.session is not None:
             entry.session.close()
-        self.executor.release(entry.id)
+        if entry.id in self._in_pass:
+            self._release_after.append(entry.id)
+        else:
+            self.executor.release(entry.id)
 
     def _record(self, counts: dict[str, int], ms: dict[str, float]) -> IterationStats:
         self.running = [r for r in self.running if not r.finished]

@@ -198,6 +198,31 @@ def test_cancel_while_waiting_and_while_running_gives_the_blocks_back(models):
     assert pools_whole(loop) and not loop.requests
 
 
+def test_a_cancel_during_the_pass_releases_after_it_and_the_others_go_on(models, monkeypatch):
+    """A served loop awaits its actors; a client's cancel (another task) lands inside the pass. The
+    request's states go back once the pass returns, not under the executor's feet."""
+    loop = paged_loop(models)
+    cancelled = loop.submit(GenerationRequest(tuple(range(3, 20)), 30, speculation=TREE))
+    other = loop.submit(GenerationRequest(tuple(range(5, 15)), 12, speculation=TREE))
+    loop.step()  # both prefilled
+    executor, verify, released = loop.executor, loop.executor.verify, []
+    release = executor.release
+    monkeypatch.setattr(executor, "release", lambda request_id: (released.append(request_id), release(request_id)))
+
+    async def verify_with_a_cancel(drafted, trees, chunks):
+        loop.cancel(cancelled)
+        assert released == []  # still in the pass: its states stay until the verdicts are in
+        return await verify(drafted, trees, chunks)
+
+    monkeypatch.setattr(executor, "verify", verify_with_a_cancel)
+    stats = loop.step()
+    assert released == [cancelled] and stats.running == 1
+    monkeypatch.setattr(executor, "verify", verify)
+    outputs = drain(loop, [other])
+    assert outputs[other] == reference_greedy(models[0], list(range(5, 15)), 12)  # its outbox kept every token
+    assert pools_whole(loop) and cancelled not in loop.requests
+
+
 def test_seeded_sampling_does_not_depend_on_who_else_runs(models):
     """The same seeded requests alone and joining a busy loop at different iterations."""
     sampling = [SamplingParams(temperature=0.9, seed=7), SamplingParams(temperature=1.1, top_k=12, seed=8)]
