@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.batcher import BatchCounters
 from engine.kv_pool import StateLost
 from engine.models import LoadedModel
 
@@ -136,6 +137,16 @@ class HoldsRequests:
         ``engine.phases`` side), the committed tokens each request has been sent, one call at a time
         (a release waits for the call under way)."""
         self.loop_side, self.loop_histories, self.loop_lock = side, {}, threading.Lock()
+        self.loop_passes = BatchCounters()  # the loop's calls here: one pass each (tokens not counted)
+
+    def count_pass(self, items: int) -> None:
+        """One engine-loop call's pass over ``items`` requests (``loop_counters``)."""
+        c = self.loop_passes
+        c.forwards, c.items, c.largest = c.forwards + 1, c.items + items, max(c.largest, items)
+
+    def loop_counters(self) -> BatchCounters:
+        """The engine loop's calls here: how many, requests in them, the largest (for tests)."""
+        return self.loop_passes
 
     def loop_history(self, request_id: str, start: int, new_tokens) -> tuple[int, ...]:
         """The request's committed tokens once this call's ``new_tokens`` (from ``start`` on) are in

@@ -45,10 +45,11 @@ class RemoteRequest:
 
 
 class ActorExecutor:
-    """``capacity_tokens``: the verifier's pool (None: no pool, nothing to count)."""
+    """``capacity_tokens``: the verifier's pool (None: no pool, nothing to count), reserved in
+    blocks of ``block_size`` tokens as the verifier's pool does."""
 
-    def __init__(self, group: ActorGroup, liveness: Liveness, capacity_tokens: int | None):
-        self.group, self.liveness, self.capacity = group, liveness, capacity_tokens
+    def __init__(self, group: ActorGroup, liveness: Liveness, capacity_tokens: int | None, block_size: int = 1):
+        self.group, self.liveness, self.capacity, self.block_size = group, liveness, capacity_tokens, block_size
         self.names, self.neural = group.names, group.neural
         self.requests: dict[int, RemoteRequest] = {}
         self._kv_blocks: tuple[int, int] | None = None
@@ -58,7 +59,8 @@ class ActorExecutor:
             if reserve_tokens > self.capacity:
                 raise PoolExhausted(f"the request needs {reserve_tokens} tokens of KV cache (prompt + max_new_tokens "
                                     f"+ tree) but the pool holds {self.capacity} (server.batching.kv_cache_tokens)")
-            if sum(r.reserve_tokens for r in self.requests.values()) + reserve_tokens > self.capacity:
+            if sum(map(self._blocks, [r.reserve_tokens for r in self.requests.values()] + [reserve_tokens])) \
+                    > self.capacity // self.block_size:
                 return False
         self.requests[request_id] = RemoteRequest(uuid.uuid4().hex, request, reserve_tokens)
         return True
@@ -113,6 +115,9 @@ class ActorExecutor:
             self.requests[keys[key]].sent.clear()
         self._kv_blocks = reply.kv_blocks
         return {keys[key]: result for key, result in reply.results.items()}
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
 
     def _prefill_job(self, request_id: int) -> PrefillJob:
         remote = self.requests[request_id]

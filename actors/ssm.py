@@ -87,7 +87,7 @@ class SSMActor(HoldsRequests):
         """The engine loop's draft phase here: every job's tree, one packed forward per tree level for
         all of them (``engine.phases.DraftSide``). Per job its Drafted (``draft_ms``: the whole
         call's drafting) or its own error (NeedsResync when this actor lacks the history's start)."""
-        began, results, drafting = time.perf_counter(), [], []
+        began, start_s, results, drafting = time.perf_counter(), time.time(), [], []
         with self.loop_lock:
             for job in jobs:
                 try:
@@ -98,10 +98,13 @@ class SSMActor(HoldsRequests):
                 results.append(None)
                 drafting.append((len(results) - 1, DraftJob(job.request_id, history, (job.assignment,))))
             drafts = self.loop_side.draft([job for _, job in drafting])
-        draft_ms = (time.perf_counter() - began) * 1e3
+        draft_ms, end_s = (time.perf_counter() - began) * 1e3, time.time()
         for index, job in drafting:
             draft = drafts[job.request_id][self.index]
-            results[index] = replace(draft, draft_ms=draft_ms) if isinstance(draft, Drafted) else draft
+            results[index] = draft
+            if isinstance(draft, Drafted):
+                results[index] = replace(draft, draft_ms=draft_ms)
+                self.timings.append(DraftTiming(job.request_id, start_s, end_s))  # the batch's interval
         return results
 
     def draft(self, request_id: str, start: int, new_tokens: list[int], assignment: Assignment,

@@ -115,6 +115,7 @@ class VerifierActor(HoldsRequests):
                 trees_by_id[job.request_id] = drafted
             chunks = [job.request_id for job in prefills if job.request_id not in results]
             results.update(self.loop_side.verify(trees_by_id, chunks))
+            self.count_pass(len(trees_by_id) + len(chunks))
             return StepReply(results, tuple(resync), self.loop_side.kv_blocks())
 
     def _admit(self, job: PrefillJob, results: dict) -> bool:

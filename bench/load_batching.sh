@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Load benchmark of issue 8: the default pair served on this machine, ShareGPT prompts,
-# concurrency 1, 2, 4, 8; tree and incremental with continuous batching, then on the engine loop
-# (--engine-loop), tree without batching.
+# concurrency 1, 2, 4, 8; tree and incremental on the engine loop (the default), then with a step
+# loop per request (--no-engine-loop, continuous batching by the timed batcher), tree without batching.
 #   bash bench/load_batching.sh [OUT_ROOT]        (about 20 minutes on a 2-core CPU)
 #   LOAD_CONFIG (default configs/serve.yaml), LOAD_CONCURRENCY (1,2,4,8), LOAD_PROMPTS, LOAD_TOKENS.
 set -euo pipefail
@@ -27,6 +27,6 @@ serve_and_bench() {  # $1: label, $2: methods, $3...: extra `specinfer serve` fl
   trap - EXIT
 }
 
-[ "${LOAD_SKIP_BATCHING:-0}" = 1 ] || serve_and_bench batching tree,incremental
-[ "${LOAD_SKIP_LOOP:-0}" = 1 ] || serve_and_bench engine-loop tree,incremental --engine-loop
-[ "${LOAD_SKIP_NO_BATCHING:-0}" = 1 ] || serve_and_bench no-batching tree --no-batching
+[ "${LOAD_SKIP_LOOP:-0}" = 1 ] || serve_and_bench engine-loop tree,incremental
+[ "${LOAD_SKIP_BATCHING:-0}" = 1 ] || serve_and_bench batching tree,incremental --no-engine-loop
+[ "${LOAD_SKIP_NO_BATCHING:-0}" = 1 ] || serve_and_bench no-batching tree --no-batching --no-engine-loop

@@ -48,9 +48,9 @@ def add_server_arguments(parser) -> None:
     parser.add_argument("--object-store-mb", type=int, default=None, help="cap the local object store")
     parser.add_argument("--no-batching", action="store_true",
                         help="serve each request with its own forwards (server.batching.enabled: false)")
-    parser.add_argument("--engine-loop", action="store_true",
-                        help="one engine loop per replica steps every request together, requests beyond the "
-                             "batch wait in its queue (server.engine_loop: true)")
+    parser.add_argument("--no-engine-loop", action="store_true",
+                        help="a step loop per request instead of one engine loop per replica for all of them "
+                             "(server.engine_loop: false)")
 
 
 def add_request_arguments(parser) -> None:
@@ -73,9 +73,9 @@ def add_request_arguments(parser) -> None:
 
 
 def load_serve_config(path: str | Path, grpc_port: int | None = None, no_batching: bool = False,
-                      engine_loop: bool = False) -> dict:
+                      no_engine_loop: bool = False) -> dict:
     """A Serve config file as a dict (validated like `serve run` does), with an optional port,
-    continuous batching switched off or the engine loop on, on request."""
+    continuous batching or the engine loop switched off, on request."""
     from ray.serve.schema import ServeDeploySchema
 
     data = read_yaml(path)
@@ -84,8 +84,8 @@ def load_serve_config(path: str | Path, grpc_port: int | None = None, no_batchin
     if no_batching:
         args = engine_section(data, path)
         args.setdefault("server", {}).setdefault("batching", {})["enabled"] = False
-    if engine_loop:
-        engine_section(data, path).setdefault("server", {})["engine_loop"] = True
+    if no_engine_loop:
+        engine_section(data, path).setdefault("server", {})["engine_loop"] = False
     ServeDeploySchema.model_validate(data)
     return data
 
@@ -135,7 +135,7 @@ def stop_serving() -> None:
 
 
 def run_serve(args) -> int:
-    serve_config = load_serve_config(args.config, args.grpc_port, args.no_batching, args.engine_loop)
+    serve_config = load_serve_config(args.config, args.grpc_port, args.no_batching, args.no_engine_loop)
     apps = [a.get("name") for a in serve_config.get("applications", [])]
     if APP_NAME not in apps:
         raise ValueError(f"{args.config}: no application named {APP_NAME!r} (found {apps})")
@@ -245,7 +245,7 @@ def server_command(args) -> list[str]:
                         ("--num-cpus", args.num_cpus), ("--object-store-mb", args.object_store_mb)):
         if value is not None:
             command += [flag, str(value)]
-    return command + (["--no-batching"] if args.no_batching else []) + (["--engine-loop"] if args.engine_loop else [])
+    return command + (["--no-batching"] if args.no_batching else []) + (["--no-engine-loop"] if args.no_engine_loop else [])
 
 
 def run_demo(args) -> int:

@@ -156,8 +156,9 @@ class SpecInferIngress:
         server = self.config.server
         chunk = server.batching.prefill_chunk_tokens if server.batching.enabled else None
         limits = LoopLimits(server.max_concurrent_requests, server.max_waiting_requests, chunk)
-        loop = EngineLoop(ActorExecutor(self.group, self.liveness, self.info.kv_capacity_tokens), self.tokenizer,
-                          self.eos_ids, limits, self.cost, self.budget.per_request if self.budget else None)
+        executor = ActorExecutor(self.group, self.liveness, self.info.kv_capacity_tokens, server.batching.block_size)
+        loop = EngineLoop(executor, self.tokenizer, self.eos_ids, limits, self.cost,
+                          self.budget.per_request if self.budget else None)
         self._woken, self._streams = asyncio.Event(), {}
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(loop))
         return loop
@@ -212,7 +213,7 @@ class SpecInferIngress:
             parsed = parse_request(decode_request(request), self.config, self.base_options, self.tokenizer,
                                    self.limits)
             observation.admitted(len(parsed.prompt_ids))
-            if self.loop is not None:
+            if self.loop is not None and not parsed.speculation.prefetch:  # prefetch: its own step loop
                 async for update in self._loop_updates(parsed):
                     observation.update(update)
                     yield update

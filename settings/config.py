@@ -153,7 +153,8 @@ class BatchingConfig(Strict):
     enabled: bool = True
     kv_cache_tokens: int = Field(default=16384, ge=64, description="target pool size in tokens")
     block_size: int = Field(default=16, ge=1, le=4096)
-    window_ms: float = Field(default=3.0, ge=0.0, description="wait this long for other requests' calls")
+    window_ms: float = Field(default=3.0, ge=0.0, description="without the engine loop: wait this long for "
+                                                              "other requests' calls")
     window_fraction: float = Field(default=0.5, ge=0.0, le=1.0,
                                    description="or this fraction of the last forward's time, if longer")
     burst_ms: float = Field(
@@ -163,7 +164,9 @@ class BatchingConfig(Strict):
                     "running requests never do; 0: off")
     burst_max_ms: float = Field(default=150.0, ge=0.0, le=5000.0,
                                 description="the burst wait ends this long after its first prompt began")
-    admission_timeout_s: float = Field(default=30.0, ge=0.0, description="wait for KV blocks, then RESOURCE_EXHAUSTED")
+    admission_timeout_s: float = Field(
+        default=30.0, ge=0.0, description="without the engine loop (and for prefetch requests): wait for KV "
+                                          "blocks this long, then RESOURCE_EXHAUSTED (the loop queues instead)")
     prefill_chunk_tokens: int | None = Field(
         default=256, ge=1, description="chunked prefill: the most prompt tokens per packed forward, all requests "
                                        "together, the prompt that would finish first if prefilled alone first "
@@ -199,9 +202,10 @@ class HealthConfig(Strict):
 class ServerConfig(Strict):
     max_concurrent_requests: int = Field(default=8, ge=1)
     engine_loop: bool = Field(
-        default=False, description="one engine loop per replica steps every running request together "
+        default=True, description="one engine loop per replica steps every running request together "
                                    "(engine.loop; one call per actor per phase), and requests beyond "
-                                   "max_concurrent_requests wait in its queue; false: a step loop per request")
+                                   "max_concurrent_requests or the KV pool wait in its queue; false: a step "
+                                   "loop per request (requests with speculation.prefetch > 0 always take one)")
     max_waiting_requests: int = Field(default=64, ge=0,
                                       description="with engine_loop: requests queued beyond the running ones "
                                                   "before RESOURCE_EXHAUSTED")

@@ -97,7 +97,10 @@ def engine_args(paths: dict[str, Path], **server) -> dict:
                    "batching": {"kv_cache_tokens": 1152, "admission_timeout_s": 2.0},
                    # The budget comes from a timed verify-cost curve, so it varies with the machine's load;
                    # served output is compared with the in-process engine (no budget), step for step.
-                   "tree_budget": {"enabled": False}, **server},
+                   "tree_budget": {"enabled": False},
+                   # the engine loop queues nothing here: a third request is refused, as the tests expect
+                   # (tests/test_served_loop.py has an app with a queue)
+                   "max_waiting_requests": 0, **server},
     }
 
 
@@ -121,6 +124,33 @@ def batch_hold(set_hold: Callable[[int], object], count: int) -> Iterator[None]:
         yield
     finally:
         set_hold(0)
+
+
+@contextmanager
+def loop_hold(actor, tmp_dir: Path) -> Iterator[None]:
+    """An actor's engine-loop calls wait inside the block: a call of the test's holds its
+    ``loop_lock`` (``actors.common.HoldsRequests``) until the block ends (at most 300 s)."""
+    import ray
+
+    release = tmp_dir / f"release-{time.monotonic_ns()}"
+
+    def hold(held, path: str) -> None:  # local: Ray pickles it by value
+        import os
+        import time
+
+        with held.loop_lock:
+            deadline = time.monotonic() + 300
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    holding = actor.__ray_call__.remote(hold, str(release))
+    try:
+        assert wait_until(lambda: ray.get(actor.__ray_call__.remote(lambda held: held.loop_lock.locked())),
+                          timeout_s=60), "the hold never took the actor's loop lock"
+        yield
+    finally:
+        release.touch()
+        ray.get(holding, timeout=60)
 
 
 def remote_hold(verifier) -> Callable[[int], None]:

@@ -26,7 +26,7 @@ SERVER = textwrap.dedent("""
     cli.deploy = lambda config: "127.0.0.1:0"
     cli.drain_serving = lambda timeout_s: print(f"drain called ({timeout_s:g} s, Ray up: {ray.is_initialized()})",
                                                 flush=True) or 2
-    args = argparse.Namespace(config="configs/serve.yaml", grpc_port=None, no_batching=False, engine_loop=False,
+    args = argparse.Namespace(config="configs/serve.yaml", grpc_port=None, no_batching=False, no_engine_loop=False,
                               ray_address=None, num_cpus=1, object_store_mb=None)
     sys.exit(cli.run_serve(args))
 """)

@@ -3,7 +3,7 @@
 The application ``specinfer-load`` runs next to the shared one (tests/serving_fixtures.py) on the
 same tiny fp32 models with ``server.max_concurrent_requests`` 32 and 48 threads per actor
 (``bench.load_faults.load_args``). Its KV pool (12288 tokens) holds 32 requests of 128 new tokens
-but not 32 of 400. Tests run in file order; the last one drains the application and deletes it.
+but not 32 of 400 (those wait in the engine loop's queue for blocks). Tests run in file order; the last one drains the application and deletes it.
 Nothing here asserts speed: outputs, status codes, and state released within generous bounds.
 """
 
@@ -18,9 +18,9 @@ import pytest
 
 from bench.load_faults import concurrency_for, load_args
 from cluster.serve_client import Client, build_request
-from serving_fixtures import (batch_hold, http_health, local_engine, ray_session, remote_hold,  # noqa: F401
-                              serving, tiny_args, tiny_models)
-from test_serving import LONG, local_result, reserve_the_pool, wait_until
+from serving_fixtures import (http_health, local_engine, loop_hold, own_app, ray_session, serving,  # noqa: F401
+                              tiny_args, tiny_models)
+from test_serving import LONG, local_result, wait_until
 
 LOAD_APP = "specinfer-load"
 STREAMS = 32
@@ -33,10 +33,6 @@ RELEASE_BOUND_S = 60.0  # what the tests assert (a shared 2-core machine may be 
 @pytest.fixture(scope="module")
 def load_app(serving, tiny_args):  # noqa: F811
     """The load application; yields (gRPC address, Serve handle). Deleted at the end of the module."""
-    from ray import serve
-
-    from cluster.serve_app import app_builder
-
     args = load_args(tiny_args, STREAMS)
     # The tree budget on: cost-aware trees choose their sizes for the batch's goodput against the
     # running requests' load (engine.budget.RunningLoad), chunked prefill of 16 tokens.
@@ -45,11 +41,8 @@ def load_app(serving, tiny_args):  # noqa: F811
     # Cost-aware shapes served (the verifier measures the verify-cost curve at start): the trees follow
     # timings and load, the tokens must not (each stream equals the in-process engine's fixed-shape output).
     args["speculation"] = {**args["speculation"], "policy": "cost"}
-    serve.run(app_builder(args), name=LOAD_APP, route_prefix="/load", blocking=False)
-    with Client(serving, LOAD_APP) as client:
-        client.wait_ready(300)
-    yield serving, serve.get_app_handle(LOAD_APP)
-    serve.delete(LOAD_APP)
+    with own_app(serving, args, LOAD_APP, "/load") as (_, handle, _):
+        yield serving, handle
 
 
 def held(handle) -> dict[str, int]:
@@ -172,34 +165,31 @@ def test_random_cancels_and_disconnects_release_every_state(load_app):
 
 
 @pytest.mark.ray
-def test_overload_beyond_admission_and_deadlines_under_load(load_app):
-    """Streams run, then every target forward is frozen (hold_next_batch) and the rest of the KV
-    pool is reserved by a request that never steps, so the pool is certainly full: the next request
-    waits and gets RESOURCE_EXHAUSTED, one with a short deadline ends DEADLINE_EXCEEDED, and after
-    the freeze is lifted the actors live on and every state is released."""
-    import ray
-
+def test_overload_beyond_admission_and_deadlines_under_load(load_app, tmp_path):
+    """Every verifier pass is frozen (the engine loop's calls held), and streams are opened up to
+    server.max_concurrent_requests (this app queues none: max_waiting_requests 0): the next request
+    gets RESOURCE_EXHAUSTED naming the bound, one admitted with a short deadline ends
+    DEADLINE_EXCEEDED, and after the freeze is lifted the actors live on and every state is released."""
     address, handle = load_app
     verifier = handle.actors.remote().result()["verifier"]
     with Client(address, LOAD_APP) as client:
-        calls = [client.stream(build_request(PROMPTS[i % len(PROMPTS)] + str(i), max_new_tokens=LONG), timeout=300)
-                 for i in range(8)]
-        holder = None
+        calls = []
         try:
-            for call in calls:
-                next(call)  # admitted and prefilled: the load is running
-            with batch_hold(remote_hold(verifier), 10**6):  # no step runs until the hold is lifted
-                holder = reserve_the_pool(verifier)
+            with loop_hold(verifier, tmp_path):  # no pass ends until the hold is lifted
+                calls = [client.stream(build_request(PROMPTS[i % len(PROMPTS)] + str(i), max_new_tokens=LONG),
+                                       timeout=300) for i in range(STREAMS)]
+                assert wait_until(lambda: handle.num_active.remote().result() == STREAMS, timeout_s=60)
                 with pytest.raises(grpc.RpcError) as refused:
-                    client.generate(build_request("over the pool", max_new_tokens=LONG), timeout=60)
+                    client.generate(build_request("over the limit", max_new_tokens=LONG), timeout=60)
                 assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert "KV memory" in refused.value.details()
+                assert f"server.max_concurrent_requests + server.max_waiting_requests is {STREAMS}" in \
+                    refused.value.details()
+                calls.pop().cancel()  # a place for the request with a deadline
+                assert wait_until(lambda: handle.num_active.remote().result() == STREAMS - 1, timeout_s=60)
                 with pytest.raises(grpc.RpcError) as caught:
                     client.generate(build_request("deadline", max_new_tokens=LONG), timeout=0.5)
                 assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         finally:
-            if holder is not None:
-                ray.get(verifier.release.remote(holder))
             for call in calls:
                 call.cancel()
         assert wait_until(lambda: settled(handle), timeout_s=RELEASE_BOUND_S), held(handle)
@@ -207,22 +197,20 @@ def test_overload_beyond_admission_and_deadlines_under_load(load_app):
 
 
 @pytest.mark.ray
-def test_drain_finishes_running_streams_and_refuses_new_ones(load_app, local_engine, tiny_args):  # noqa: F811
-    """The stream is frozen before it starts (its prefill waits for a second forward), so the drain
+def test_drain_finishes_running_streams_and_refuses_new_ones(load_app, local_engine, tiny_args,  # noqa: F811
+                                                              tmp_path):
+    """The stream is frozen before it starts (the verifier's loop calls held), so the drain
     certainly starts while it runs; new requests get UNAVAILABLE and health says NOT_SERVING (HTTP
     503 "draining") while Serve's replica check still passes; the stream, let go, completes with
     all its tokens and the drain returns 0 requests left. Runs last: it drains."""
-    import ray
     from ray.serve.context import _get_global_client
-
-    from engine.sampling import SamplingParams
 
     address, handle = load_app
     expected = list(local_result(local_engine, tiny_args, PROMPTS[0], max_new_tokens=LONG)[1].token_ids)
     verifier = handle.actors.remote().result()["verifier"]
     http = _get_global_client().http_config
     with Client(address, LOAD_APP) as client:
-        with batch_hold(remote_hold(verifier), 2):
+        with loop_hold(verifier, tmp_path):
             call = client.stream(build_request(PROMPTS[0], max_new_tokens=LONG), timeout=300)
             assert wait_until(lambda: handle.num_active.remote().result() == 1, timeout_s=60)  # admitted, frozen
             drained = handle.drain.remote(120.0)
@@ -230,8 +218,6 @@ def test_drain_finishes_running_streams_and_refuses_new_ones(load_app, local_eng
             assert client.health_status() == "NOT_SERVING"
             assert http_health(f"http://{http.host}:{http.port}/load/health") == (503, "draining")
             handle.check_health.remote().result()  # a drain is no reason to replace the replica
-            ray.get(verifier.prefill.remote("unfreeze", [1, 2, 3], SamplingParams()))  # the second forward
-            ray.get(verifier.release.remote("unfreeze"))
         tokens = [t for chunk in call for t in chunk.token_ids]
     assert tokens == expected
     assert drained.result(timeout_s=180) == 0

@@ -1,8 +1,8 @@
-"""The served engine loop (``server.engine_loop: true``): one loop per replica steps every request
+"""The served engine loop (``server.engine_loop``, the default): one loop per replica steps every request
 together through one call per actor per phase (``actors.executor``). A second application on the
 shared tiny fp32 models with 2 running requests and 6 waiting: outputs equal the in-process engine's,
-requests beyond the batch wait instead of failing, the queue's bound answers RESOURCE_EXHAUSTED, and
-every state is released."""
+requests beyond the batch or the KV pool wait instead of failing, the queue's bound answers
+RESOURCE_EXHAUSTED, and every state is released."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import grpc
 import pytest
 
 from cluster.serve_client import Client, build_request
-from serving_fixtures import local_engine, ray_session, serving, tiny_args, tiny_models, wait_until  # noqa: F401
+from serving_fixtures import (local_engine, own_app, ray_session, serving, tiny_args, tiny_models,  # noqa: F401
+                              wait_until)
 from test_serving import local_result
 
 LOOP_APP = "specinfer-loop"
@@ -23,18 +24,13 @@ RUNNING, WAITING = 2, 6
 
 @pytest.fixture(scope="module")
 def loop_app(serving, tiny_args):  # noqa: F811
-    """The loop application; yields (gRPC address, Serve handle). Deleted at the end of the module."""
-    from ray import serve
-
-    from cluster.serve_app import app_builder
-
-    args = {**tiny_args, "server": {**tiny_args["server"], "engine_loop": True, "max_concurrent_requests": RUNNING,
-                                    "max_waiting_requests": WAITING}}
-    serve.run(app_builder(args), name=LOOP_APP, route_prefix="/loop", blocking=False)
-    with Client(serving, LOOP_APP) as client:
-        client.wait_ready(300)
-    yield serving, serve.get_app_handle(LOOP_APP)
-    serve.delete(LOOP_APP)
+    """The loop application; yields (gRPC address, Serve handle). Deleted at the end of the module.
+    Its pool (896 tokens) holds two of the 8-stream or queue tests' requests, one 562-token one."""
+    server = tiny_args["server"]
+    args = {**tiny_args, "server": {**server, "max_concurrent_requests": RUNNING, "max_waiting_requests": WAITING,
+                                    "batching": {**server["batching"], "kv_cache_tokens": 896}}}
+    with own_app(serving, args, LOOP_APP, "/loop") as (_, handle, _):
+        yield serving, handle
 
 
 def held(handle) -> dict[str, int]:
@@ -116,14 +112,36 @@ def test_past_the_queue_a_request_is_refused_with_the_bound(loop_app):
     assert wait_until(lambda: not any(held(handle).values()), timeout_s=60), held(handle)
 
 
-@pytest.mark.parametrize("flag, expected", [(False, False), (True, True)])
-def test_serve_flag_turns_the_engine_loop_on(flag, expected):
-    """`specinfer serve --engine-loop`: the served config's engine section gets server.engine_loop."""
+@pytest.mark.parametrize("flag, expected", [(False, True), (True, False)])
+def test_serve_flag_turns_the_engine_loop_off(flag, expected):
+    """`specinfer serve --no-engine-loop`: the served config's engine section gets server.engine_loop
+    false; without it the default (the engine loop) stands."""
     from pathlib import Path
 
     from cluster.cli_serve import load_serve_config
     from settings.config import EngineConfig, engine_section
 
     path = Path(__file__).resolve().parent.parent / "configs" / "serve.yaml"
-    data = load_serve_config(path, engine_loop=flag)
+    data = load_serve_config(path, no_engine_loop=flag)
     assert EngineConfig.model_validate(engine_section(data, path)).server.engine_loop is expected
+
+
+@pytest.mark.ray
+def test_a_request_the_pool_cannot_hold_beside_another_waits_for_its_blocks(loop_app, local_engine,
+                                                                          tiny_args):  # noqa: F811
+    """Two requests of 562 tokens each (110-token prompt, 400 new, a 52-node tree) in an 896-token
+    pool: the second waits in the loop's queue, not failing, until the first gives its blocks back.
+    They never share a verifier pass (each pass's items equal its count: one request a pass)."""
+    import ray
+
+    address, handle = loop_app
+    verifier = handle.actors.remote().result()["verifier"]
+    before = ray.get(verifier.loop_counters.remote())
+    prompts = ["p" * 110, "q" * 110]
+    outputs, errors = run_streams(address, [build_request(p, max_new_tokens=400) for p in prompts])
+    assert errors == []
+    assert [outputs[0], outputs[1]] == [
+        list(local_result(local_engine, tiny_args, p, max_new_tokens=400)[1].token_ids) for p in prompts]
+    after = ray.get(verifier.loop_counters.remote())
+    assert after.items - before.items == after.forwards - before.forwards > 0, (before, after)
+    assert wait_until(lambda: not any(held(handle).values()), timeout_s=60), held(handle)

@@ -17,8 +17,8 @@ import torch
 
 from cluster.serve_client import Client, build_request
 from protos import specinfer_pb2 as pb
-from serving_fixtures import (batch_hold, ingress, local_engine, ray_session, remote_hold,  # noqa: F401
-                              serving, tiny_args, tiny_models, wait_until)
+from serving_fixtures import (ingress, local_engine, loop_hold, ray_session, serving, tiny_args,  # noqa: F401
+                              tiny_models, wait_until)
 
 SERVE_YAML = Path(__file__).resolve().parent.parent / "configs" / "serve.yaml"
 PROMPTS = ["Hello wörld, speculative decoding!", "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)"]
@@ -400,20 +400,12 @@ def test_releases_are_not_children_of_the_requests_task(ray_session):  # noqa: F
 # --- distribution ------------------------------------------------------------------------
 
 
-def drafter_hold(ssm):
-    """An SSM actor's drafter batcher ``hold_next``, run inside the actor (``__ray_call__``), for
-    ``batch_hold``: the actor has no method of its own for it."""
-    import ray
-
-    return lambda count: ray.get(ssm.__ray_call__.remote(lambda actor, n: actor.drafter.batcher.hold_next(n), count),
-                                 timeout=60)
-
-
 @pytest.mark.ray
-def test_ssm_actors_draft_concurrently(serving, ingress, local_engine, tiny_args):  # noqa: F811
-    """The ingress sends a step's drafts to every SSM before it awaits any: while SSM a's forwards
-    are held (a barrier the test lifts), SSM b drafts the request's first tree. Sent one after the
-    other, b's draft would wait for a's, which waits for the test: b would draft nothing."""
+def test_ssm_actors_draft_concurrently(serving, ingress, local_engine, tiny_args, tmp_path):  # noqa: F811
+    """The ingress sends an iteration's drafts to every SSM before it awaits any: while SSM a's
+    engine-loop calls are held (a barrier the test lifts), SSM b drafts the request's first tree.
+    Sent one after the other, b's draft would wait for a's, which waits for the test: b would draft
+    nothing."""
     import ray
 
     actors = ingress.actors.remote().result()
@@ -431,7 +423,7 @@ def test_ssm_actors_draft_concurrently(serving, ingress, local_engine, tiny_args
             reply["response"] = client.generate(build_request(PROMPTS[0], max_new_tokens=40), timeout=120)
 
     asking = threading.Thread(target=ask)
-    with batch_hold(drafter_hold(a), 2):  # SSM a's next forward waits for a second one: none comes
+    with loop_hold(a, tmp_path):  # SSM a's next draft call waits for the test
         asking.start()
         assert wait_until(lambda: runs(b), timeout_s=60), "SSM b drafted nothing while SSM a was held"
         assert runs(a) == []  # a is still held: b's draft did not wait for it
@@ -483,11 +475,12 @@ MIXED = [  # (prompt, max_new_tokens, delay before sending, cancel after this ma
 
 
 @pytest.mark.ray
-def test_batched_requests_equal_each_alone_and_return_their_blocks(serving, ingress, local_engine, tiny_args):
+def test_batched_requests_equal_each_alone_and_return_their_blocks(serving, ingress, local_engine, tiny_args,
+                                                                   tmp_path):
     import ray
 
     verifier = ingress.actors.remote().result()["verifier"]
-    before = ray.get(verifier.batch_counters.remote())
+    before = ray.get(verifier.loop_counters.remote())
     expected = [local_result(local_engine, tiny_args, p, max_new_tokens=n)[1].token_ids for p, n, _, _ in MIXED]
     outputs: dict[int, list[int]] = {}
 
@@ -510,79 +503,15 @@ def test_batched_requests_equal_each_alone_and_return_their_blocks(serving, ingr
             wait_until(lambda: ingress.num_active.remote().result() < 2, timeout_s=30)
 
     threads = [threading.Thread(target=lane, args=(list(range(start, len(MIXED), 2)),)) for start in (0, 1)]
-    with batch_hold(remote_hold(verifier), 2):  # the two lanes' first prefills share a forward, certainly
-        for thread in threads:
+    with loop_hold(verifier, tmp_path):  # the first pass waits until both lanes' requests are in the loop,
+        for thread in threads:          # so the next pass holds both, certainly
             thread.start()
-        for thread in threads:
-            thread.join(120)
+        assert wait_until(lambda: ingress.num_active.remote().result() == 2, timeout_s=60)
+    for thread in threads:
+        thread.join(120)
     for index, (_, max_new_tokens, _, cancel_after) in enumerate(MIXED):
         got = outputs[index]
         assert got == list(expected[index])[:len(got)] and (cancel_after or len(got) == max_new_tokens)
-    after = ray.get(verifier.batch_counters.remote())
-    assert after.forwards > before.forwards and after.largest >= 2, after  # trees shared target forwards
-    assert wait_until(lambda: nothing_held(ingress) and pools_settled(ingress), timeout_s=60), held_requests(ingress)
-
-
-ADMISSION_PROMPT = "p" * 110
-
-
-def reserve_the_pool(verifier) -> str:
-    """Reserve every unreserved block of the verifier's pool for a request that never steps (so the
-    pool stays full however fast anything else runs); its id, for the release. Its prefill is not
-    awaited: with the batcher frozen (hold_next_batch) the reservation is made but the forward waits."""
-    import uuid
-
-    import ray
-
-    from engine.sampling import SamplingParams
-
-    _, unreserved, _ = ray.get(verifier.pool_blocks.remote())
-    request_id = f"pool-holder-{uuid.uuid4().hex}"  # a released id is never recreated: a fresh one each time
-    verifier.prefill.remote(request_id, [1, 2, 3], SamplingParams(), unreserved * 16)  # block_size 16
-    assert wait_until(lambda: ray.get(verifier.pool_blocks.remote())[1] == 0, timeout_s=60)
-    return request_id
-
-
-@pytest.mark.ray
-def test_request_without_kv_memory_waits_then_is_resource_exhausted(serving, ingress):  # noqa: F811
-    import ray
-
-    verifier = ingress.actors.remote().result()["verifier"]
-    holder = reserve_the_pool(verifier)
-    try:
-        with Client(serving) as client:
-            began = time.monotonic()
-            with pytest.raises(grpc.RpcError) as caught:
-                client.generate(build_request(ADMISSION_PROMPT, max_new_tokens=LONG), timeout=30)
-            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "KV memory" in caught.value.details() and "admission_timeout_s" in caught.value.details()
-            assert 1.9 <= time.monotonic() - began  # it waited admission_timeout_s (2 s) first
-    finally:
-        ray.get(verifier.release.remote(holder))
-    assert wait_until(lambda: nothing_held(ingress) and pools_settled(ingress), timeout_s=60), held_requests(ingress)
-
-
-@pytest.mark.ray
-def test_waiting_request_is_admitted_when_memory_returns(serving, ingress, local_engine, tiny_args):
-    """A request that cannot get its blocks (the pool is reserved by a request that never steps)
-    waits inside the ingress; when those blocks come back it is admitted and served correctly."""
-    import ray
-
-    _, expected = local_result(local_engine, tiny_args, "q" * 110, max_new_tokens=LONG)
-    verifier = ingress.actors.remote().result()["verifier"]
-    holder = reserve_the_pool(verifier)
-    result: dict = {}
-
-    def ask() -> None:
-        with Client(serving) as client:
-            result["response"] = client.generate(build_request("q" * 110, max_new_tokens=LONG), timeout=60)
-
-    waiting = threading.Thread(target=ask)
-    waiting.start()
-    try:
-        assert wait_until(lambda: ingress.num_active.remote().result() == 1, timeout_s=30)  # admitted, no KV yet
-    finally:
-        ray.get(verifier.release.remote(holder))
-    waiting.join(90)
-    assert list(result["response"].token_ids) == list(expected.token_ids)
+    after = ray.get(verifier.loop_counters.remote())
+    assert after.forwards > before.forwards and after.largest >= 2, after  # requests shared target passes
     assert wait_until(lambda: nothing_held(ingress) and pools_settled(ingress), timeout_s=60), held_requests(ingress)

@@ -18,8 +18,8 @@ import torch
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.kv_pool import PagedSequence
 from engine.tree import TokenTree
-from serving_fixtures import (batch_hold, ray_session, remote_hold, serving, tiny_args,  # noqa: F401  (fixtures)
-                              tiny_models)
+from serving_fixtures import (loop_hold, own_app, ray_session, serving, tiny_args,  # noqa: F401  (fixtures)
+                              tiny_models, wait_until)
 from tests.test_batching import item_counts, run_loop
 from tests.tiny_models import reference_greedy
 
@@ -273,23 +273,13 @@ def rank_actors() -> dict[str, str]:
 def tp2_app(serving, tiny_args):  # noqa: F811
     """(gRPC client, Serve handle, rank names that are not this app's) of a second Serve application
     whose verifier is 2 ranks with batching on. Deleted at the end of the module."""
-    from ray import serve
-
-    from cluster.serve_app import app_builder
-    from cluster.serve_client import Client
-
     others = set(rank_actors())
-    serve.run(app_builder(tp_args(tiny_args, batching=True)), name=TP2_APP, route_prefix="/tp2", blocking=False)
-    try:
-        with Client(serving, application=TP2_APP) as client:
-            client.wait_ready(300)
-            yield client, serve.get_app_handle(TP2_APP), others
-    finally:
-        serve.delete(TP2_APP)
+    with own_app(serving, tp_args(tiny_args, batching=True), TP2_APP, "/tp2") as (client, handle, _):
+        yield client, handle, others
 
 
-def test_grpc_batched_generation_with_tensor_parallel_verifier(serving, tp2_app, tiny_models):
-    """Two concurrent requests share packed forwards and get the same ids as tp=1 and generate;
+def test_grpc_batched_generation_with_tensor_parallel_verifier(serving, tp2_app, tiny_models, tmp_path):
+    """Two concurrent requests share packed passes and get the same ids as tp=1 and generate;
     blocks come back."""
     import ray
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -310,12 +300,13 @@ def test_grpc_batched_generation_with_tensor_parallel_verifier(serving, tp2_app,
                 replies[index] = list(own.generate(requests[index], timeout=120).token_ids)
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(requests))]
-        with batch_hold(remote_hold(verifier), len(requests)):  # their prefills share a forward, certainly
+        with loop_hold(verifier, tmp_path):  # the first pass waits until both are in the loop: the next has both
             for thread in threads:
                 thread.start()
-            for thread in threads:
-                thread.join(180)
-        assert ray.get(verifier.batch_counters.remote()).largest >= 2
+            assert wait_until(lambda: app.num_active.remote().result() == len(requests), timeout_s=60)
+        for thread in threads:
+            thread.join(180)
+        assert ray.get(verifier.loop_counters.remote()).largest >= 2
         for reply, request, (prompt, n) in zip(replies, requests, prompts):
             assert reply == list(single.generate(request, timeout=120).token_ids)
             assert reply == reference_greedy(target, tokenizer.encode(prompt), n)
@@ -324,9 +315,9 @@ def test_grpc_batched_generation_with_tensor_parallel_verifier(serving, tp2_app,
 
 
 def test_grpc_killed_rank_fails_the_stream_unavailable_and_the_next_request_is_served(serving, tp2_app,
-                                                                                       tiny_models):
-    """Served: a stream is admitted and frozen at its prefill forward (every forward held), so it is
-    certainly in flight when rank 1 is killed; let go, the forward fails on the dead rank, the
+                                                                                       tiny_models, tmp_path):
+    """Served: a stream is admitted and frozen before its prefill pass (the verifier's loop calls
+    held), so it is certainly in flight when rank 1 is killed; let go, the forward fails on the dead rank, the
     stream ends UNAVAILABLE (not by its deadline: nothing hangs), the next request is served by the
     rebuilt group with the right ids, and every block comes back."""
     import grpc
@@ -334,15 +325,14 @@ def test_grpc_killed_rank_fails_the_stream_unavailable_and_the_next_request_is_s
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from cluster.serve_client import build_request
-    from serving_fixtures import wait_until
 
     client, app, others = tp2_app
     verifier = app.actors.remote().result()["verifier"]
     assert client.generate(build_request("warm", max_new_tokens=2), timeout=120).stats.new_tokens == 2
     (rank1,) = [name for name in rank_actors() if name not in others and name.endswith("/rank-1")]
-    with batch_hold(remote_hold(verifier), 10**6):  # no forward runs until the hold is lifted
+    with loop_hold(verifier, tmp_path):  # no pass runs until the hold is lifted
         stream = client.stream(build_request("def tree(x):", max_new_tokens=200), timeout=300)
-        assert wait_until(lambda: ray.get(verifier.num_requests.remote()) == 1, timeout_s=60)  # admitted, frozen
+        assert wait_until(lambda: app.num_active.remote().result() == 1, timeout_s=60)  # admitted, frozen
         ray.kill(ray.get_actor(rank1, namespace=rank_actors()[rank1]), no_restart=True)
     began = time.monotonic()
     with pytest.raises(grpc.RpcError) as failed:
@@ -383,7 +373,6 @@ def test_grpc_prefetch_with_a_tensor_parallel_verifier_and_batching(serving, tp2
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from cluster.serve_client import build_request
-    from serving_fixtures import wait_until
     from tests.test_serving import pools_settled
 
     client, app, _ = tp2_app
