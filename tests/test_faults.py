@@ -19,8 +19,8 @@ import grpc
 import pytest
 
 from cluster.serve_client import Client, build_request
-from serving_fixtures import (batch_hold, http_health, local_engine, own_app, ray_session,  # noqa: F401
-                              remote_hold, serving, tiny_args, tiny_models, wait_until)
+from serving_fixtures import (http_health, local_engine, loop_hold, own_app, ray_session,  # noqa: F401
+                              serving, tiny_args, tiny_models, wait_until)
 
 APP = "specinfer-faults"
 PROMPT = "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)"
@@ -50,16 +50,12 @@ def kill(handle) -> None:
     ray.kill(handle, no_restart=False)
 
 
-def kill_mid_stream(app, role: str) -> None:
-    """Kill ``role`` while every running stream is frozen at its next target forward, so none can
-    finish before the kill lands; then let them go on (a killed verifier takes its hold with it)."""
+def kill_mid_stream(app, role: str, tmp_dir) -> None:
+    """Kill ``role`` while every running stream is frozen before its next target pass (the
+    verifier's engine-loop calls held), so none can finish before the kill lands; then let them go
+    on (a killed verifier takes its hold with it)."""
     actors = app.actors.remote().result()
-    hold = remote_hold(actors["verifier"])
-    if role == "verifier":
-        hold(10**6)
-        kill(actors[role])  # the restarted verifier starts without it
-        return
-    with batch_hold(hold, 10**6):
+    with loop_hold(actors["verifier"], tmp_dir):
         kill(actors[role])
 
 
@@ -188,7 +184,7 @@ def test_probes_are_sent_outside_the_callers_context():
 
 @pytest.mark.ray
 @pytest.mark.parametrize("role", ["ssm/ssm-a", "merge"])
-def test_killed_ssm_or_merge_mid_stream_is_survived_and_used_again(faults_app, expected, role):
+def test_killed_ssm_or_merge_mid_stream_is_survived_and_used_again(faults_app, expected, role, tmp_path):
     """Twice in a row: the stream ends with the reference tokens and no error; the ingress records
     the actor's failure and recovery, and it drafts (SSM) or merges (the next request's tokens are
     right) again. (Issue 16's "used again within 30 s" is a speed figure, not asserted here.)"""
@@ -197,7 +193,7 @@ def test_killed_ssm_or_merge_mid_stream_is_survived_and_used_again(faults_app, e
         before = recoveries(app, role)
         call = client.stream(build_request(PROMPT, max_new_tokens=LONG), timeout=300)
         ids = list(next(call).token_ids)
-        kill_mid_stream(app, role)
+        kill_mid_stream(app, role, tmp_path)
         ids += [t for chunk in call for t in chunk.token_ids]
         assert ids == expected, f"round {round_}"
         assert wait_until(lambda: recoveries(app, role) > before, RECOVERY_BOUND_S), \
@@ -209,7 +205,8 @@ def test_killed_ssm_or_merge_mid_stream_is_survived_and_used_again(faults_app, e
 
 
 @pytest.mark.ray
-def test_killed_verifier_fails_in_flight_fast_then_serves(faults_app, local_engine, tiny_args):  # noqa: F811
+def test_killed_verifier_fails_in_flight_fast_then_serves(faults_app, local_engine, tiny_args,  # noqa: F811
+                                                          tmp_path):
     """The in-flight stream fails UNAVAILABLE: by the dead actor (RayActorError / StateLost), not
     its 300 s deadline (that would be DEADLINE_EXCEEDED); health comes back, the ingress records
     the verifier's recovery, and the rebuilt verifier serves the reference tokens."""
@@ -217,7 +214,7 @@ def test_killed_verifier_fails_in_flight_fast_then_serves(faults_app, local_engi
     before = recoveries(app, "verifier")
     call = client.stream(build_request(PROMPT, max_new_tokens=LONG), timeout=300)
     next(call)
-    kill_mid_stream(app, "verifier")
+    kill_mid_stream(app, "verifier", tmp_path)
     with pytest.raises(grpc.RpcError) as failure:
         for _ in call:
             pass
