@@ -102,6 +102,16 @@ SPECS = {spec.name: spec for spec in (
                "Requests by how they ended (gRPC status name; OpenAI requests map their HTTP status to it) "
                "and by API (grpc, openai).", ("status", "api")),
     MetricSpec("specinfer:num_requests_running", GAUGE, "Requests admitted and not yet finished on this replica."),
+    # the engine loop, each iteration (engine.loop.IterationStats)
+    MetricSpec("specinfer:num_requests_waiting", GAUGE,
+               "Requests in the engine loop's queue (beyond max_concurrent_requests or the KV pool)."),
+    MetricSpec("specinfer:kv_cache_usage_perc", GAUGE,
+               "Fraction of the verifier's KV pool blocks in use (0 to 1), after the last iteration."),
+    MetricSpec("specinfer:iterations", COUNTER, "Engine loop iterations (one target pass for all requests each)."),
+    MetricSpec("specinfer:iteration_phase_seconds", COUNTER,
+               "Seconds of engine loop iterations by phase: schedule, draft (drafting and merging), verify "
+               "(the target pass, verification and commit in the verifier), commit (outboxes); divide by "
+               "specinfer:iterations for a per-iteration profile.", ("phase",)),
     MetricSpec("specinfer:e2e_request_latency_seconds", HISTOGRAM,
                "Per successful request: seconds from its arrival at the ingress replica to its last token.",
                boundaries=LATENCY_BUCKETS_S),
@@ -111,6 +121,13 @@ SPECS = {spec.name: spec for spec in (
     MetricSpec("specinfer:output_tokens_per_second", HISTOGRAM,
                "Per successful request: generated tokens / end-to-end seconds.", boundaries=TOKENS_PER_S_BUCKETS),
 )}
+
+
+# Counted per engine-loop iteration (ServingMetrics.iteration), per request on the older path:
+# the metric -> the IterationStats field.
+ITERATION_TOKENS = {"specinfer:prompt_tokens": "prompt_tokens", "specinfer:generation_tokens": "emitted_tokens",
+                    "specinfer:spec_decode_num_draft_tokens": "drafted_tokens",
+                    "specinfer:spec_decode_num_accepted_tokens": "accepted_tokens"}
 
 
 def exported_name(name: str) -> str:
@@ -134,6 +151,7 @@ class RequestObservation:
     stats: object | None = None  # engine.generate.GenerationStats of the last update
     finish_reason: str | None = None
     status: str | None = None
+    per_iteration: bool = False  # its token counts went in with the engine loop's iterations
 
     def __post_init__(self) -> None:
         if self.started is None:
@@ -175,6 +193,23 @@ class ServingMetrics:
     def running(self, count: int) -> None:
         self._safely(lambda: self.metrics["specinfer:num_requests_running"].set(count))
 
+    def iteration(self, stats) -> None:
+        """One engine-loop iteration (``engine.loop.IterationStats``): the queue and KV gauges, the
+        phase times, and the token counters of the requests it stepped, as they happen (a long
+        stream's tokens are not counted at its end). Never raises."""
+        self._safely(lambda: self._iteration(stats))
+
+    def _iteration(self, s) -> None:
+        m = self.metrics
+        m["specinfer:num_requests_waiting"].set(s.waiting)
+        if s.kv_blocks_total:
+            m["specinfer:kv_cache_usage_perc"].set(s.kv_blocks_used / s.kv_blocks_total)
+        m["specinfer:iterations"].inc(1)
+        for phase, ms in s.ms.items():
+            _inc(m["specinfer:iteration_phase_seconds"], ms / 1e3, {"phase": phase})
+        for name, value in ITERATION_TOKENS.items():
+            _inc(m[name], getattr(s, value))
+
     def record(self, observation: RequestObservation) -> None:
         """Count a finished request; never raises (a metrics failure must not fail a request)."""
         self._safely(lambda: self._record(observation))
@@ -187,11 +222,12 @@ class ServingMetrics:
         stats = o.stats
         if stats is None or not stats.target_steps:
             return  # it never reached the prefill: no work to count
-        _inc(m["specinfer:prompt_tokens"], o.prompt_tokens or 0)
-        _inc(m["specinfer:generation_tokens"], stats.new_tokens)
+        if not o.per_iteration:
+            _inc(m["specinfer:prompt_tokens"], o.prompt_tokens or 0)
+            _inc(m["specinfer:generation_tokens"], stats.new_tokens)
+            _inc(m["specinfer:spec_decode_num_draft_tokens"], stats.draft_tokens)
+            _inc(m["specinfer:spec_decode_num_accepted_tokens"], stats.accepted_tokens)
         _inc(m["specinfer:target_steps"], stats.target_steps)
-        _inc(m["specinfer:spec_decode_num_draft_tokens"], stats.draft_tokens)
-        _inc(m["specinfer:spec_decode_num_accepted_tokens"], stats.accepted_tokens)
         for position, count in enumerate(stats.accepted_per_depth):
             _inc(m["specinfer:spec_decode_num_accepted_tokens_per_pos"], count, {"position": str(position)})
         for ssm, count in sorted(stats.accepted_per_proposer.items()):

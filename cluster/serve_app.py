@@ -159,6 +159,7 @@ class SpecInferIngress:
         executor = ActorExecutor(self.group, self.liveness, self.info.kv_capacity_tokens, server.batching.block_size)
         loop = EngineLoop(executor, self.tokenizer, self.eos_ids, limits, self.cost,
                           self.budget.per_request if self.budget else None)
+        loop.observers.append(self.metrics.iteration)  # gauges and token counters every iteration
         self._woken, self._streams = asyncio.Event(), {}
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(loop))
         return loop
@@ -214,6 +215,7 @@ class SpecInferIngress:
                                    self.limits)
             observation.admitted(len(parsed.prompt_ids))
             if self.loop is not None and not parsed.speculation.prefetch:  # prefetch: its own step loop
+                observation.per_iteration = True
                 async for update in self._loop_updates(parsed):
                     observation.update(update)
                     yield update

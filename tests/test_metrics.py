@@ -111,6 +111,35 @@ def test_record_counts_a_request_from_its_stats():
     assert m["specinfer:output_tokens_per_second"].calls == [(6.0, {})]
 
 
+def test_each_loop_iteration_sets_the_gauges_and_counts_tokens_once():
+    """An iteration's tokens are counted as it happens; the request's end then adds its steps and
+    histograms but not the same tokens again."""
+    from engine.loop import IterationStats
+    from engine.requests import GenerationStats, StepUpdate
+
+    metrics, m = fake_metrics(), None
+    ms = {"schedule": 1.0, "draft": 20.0, "verify": 30.0, "commit": 2.0}
+    for waiting, used in ((3, 40), (1, 25)):
+        metrics.iteration(IterationStats(7, 2, waiting, 0, used, 100, drafted_tokens=10, accepted_tokens=4,
+                                         emitted_tokens=6, prompt_tokens=16, ms=ms))
+    m = metrics.metrics
+    assert m["specinfer:num_requests_waiting"].calls == [(3, {}), (1, {})]
+    assert m["specinfer:kv_cache_usage_perc"].calls == [(0.4, {}), (0.25, {})]
+    assert m["specinfer:iterations"].total() == 2
+    assert {p: m["specinfer:iteration_phase_seconds"].total(phase=p) for p in ms} == \
+        {"schedule": 0.002, "draft": 0.04, "verify": 0.06, "commit": 0.004}
+    totals = {name: m[name].total() for name in COUNTERS if name != "specinfer:target_steps"}
+    assert totals == {"specinfer:spec_decode_num_draft_tokens": 20, "specinfer:spec_decode_num_accepted_tokens": 8,
+                      "specinfer:prompt_tokens": 32, "specinfer:generation_tokens": 12}
+    observation = RequestObservation("grpc", per_iteration=True)
+    with observed(metrics, observation, lambda error: "INTERNAL"):
+        observation.admitted(16)
+        observation.update(StepUpdate((1, 2), "ab", "length", GenerationStats(
+            mode="tree", target_steps=3, new_tokens=6, draft_tokens=10, accepted_per_depth=[3, 1])))
+    assert {name: m[name].total() for name in totals} == totals  # not again at the request's end
+    assert m["specinfer:target_steps"].total() == 3 and m["specinfer:tokens_per_step"].calls == [(2.0, {})]
+
+
 def test_refused_and_cancelled_requests_are_counted_by_status():
     from cluster.status import Overloaded, status_name
     from cluster.serve_requests import InvalidArgument
@@ -278,6 +307,7 @@ def test_metrics_equal_the_request_statistics(metrics_app, metrics_url, tiny_mod
         "specinfer:target_steps": stats.target_steps,
         "specinfer:prompt_tokens": prompt_tokens,
         "specinfer:generation_tokens": stats.new_tokens,
+        "specinfer:iterations": stats.target_steps,  # alone on its replica's loop: one pass an iteration
     }
 
     def delta(text: str, name: str, **labels: str) -> float:
@@ -302,6 +332,9 @@ def test_metrics_equal_the_request_statistics(metrics_app, metrics_url, tiny_mod
     assert per_label(after, "specinfer:spec_decode_num_accepted_tokens_per_pos", "position") == per_pos
     assert per_label(after, "specinfer:spec_decode_num_accepted_tokens_per_ssm", "ssm") == per_ssm
     assert sum(per_pos.values()) == stats.accepted_tokens
+    assert all(delta(after, "specinfer:iteration_phase_seconds", phase=p) > 0 for p in ("draft", "verify"))
+    assert total(after, "specinfer:num_requests_waiting") == 0
+    assert 0 <= total(after, "specinfer:kv_cache_usage_perc") < 1
     # histograms: one observation each, tokens/step summed exactly
     for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "tokens_per_step",
                  "output_tokens_per_second"):
