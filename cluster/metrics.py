@@ -101,7 +101,8 @@ SPECS = {spec.name: spec for spec in (
     MetricSpec("specinfer:requests", COUNTER,
                "Requests by how they ended (gRPC status name; OpenAI requests map their HTTP status to it) "
                "and by API (grpc, openai).", ("status", "api")),
-    MetricSpec("specinfer:num_requests_running", GAUGE, "Requests admitted and not yet finished on this replica."),
+    MetricSpec("specinfer:num_requests_running", GAUGE,
+               "Requests in flight on this replica and not in the engine loop's queue."),
     # the engine loop, each iteration (engine.loop.IterationStats)
     MetricSpec("specinfer:num_requests_waiting", GAUGE,
                "Requests in the engine loop's queue (beyond max_concurrent_requests or the KV pool)."),

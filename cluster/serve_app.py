@@ -159,10 +159,14 @@ class SpecInferIngress:
         executor = ActorExecutor(self.group, self.liveness, self.info.kv_capacity_tokens, server.batching.block_size)
         loop = EngineLoop(executor, self.tokenizer, self.eos_ids, limits, self.cost,
                           self.budget.per_request if self.budget else None)
-        loop.observers.append(self.metrics.iteration)  # gauges and token counters every iteration
+        loop.observers.append(self._observe_iteration)  # gauges and token counters every iteration
         self._woken, self._streams = asyncio.Event(), {}
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(loop))
         return loop
+
+    def _observe_iteration(self, stats) -> None:
+        self.metrics.iteration(stats)
+        self.metrics.running(self.active - stats.waiting)  # vLLM's meaning: in flight, not queued
 
     async def _run_loop(self, loop: EngineLoop) -> None:
         """Step the loop while it has work; wake every stream after each iteration."""
@@ -269,12 +273,16 @@ class SpecInferIngress:
                      else "server.max_concurrent_requests")
             raise Overloaded(f"server busy: {self.active} requests in flight, {bound} is {limit}; retry later")
         self.active += 1
-        self.metrics.running(self.active)
+        self.metrics.running(self._running())
         try:
             yield
         finally:
             self.active -= 1
-            self.metrics.running(self.active)
+            self.metrics.running(self._running())
+
+    def _running(self) -> int:
+        """Requests in flight and not in the engine loop's queue."""
+        return self.active - (len(self.loop.waiting) if self.loop is not None else 0)
 
     async def drain(self, timeout_s: float | None = None) -> int:
         """Refuse new requests (UNAVAILABLE) and wait up to ``timeout_s`` (default
