@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # run_serve with Serve's deploy and drain stubbed: the Ray node it starts, the signal handling and the
 # shutdown are the real ones. The drain itself (UNAVAILABLE for new requests, running streams
-# finished, NOT_SERVING) is served in tests/test_load.py; deploying the app in this subprocess
-# would load models for minutes to test the same. The stub reports what the server passed it and
+# finished, NOT_SERVING) is served in tests/test_load.py, and the real server process (deploy, Ray,
+# Serve, shutdown) runs in the demo test below. The stub reports what the server passed it and
 # whether Ray was still up, and returns 2 requests "still running" for the server to report.
 SERVER = textwrap.dedent("""
     import argparse, sys
