@@ -19,7 +19,8 @@ from scipy.stats import chisquare
 
 from engine.draft import ModelDrafter
 from engine.sampling import SamplingParams, warp
-from engine.tree import TokenTree
+from engine.tree import TokenTree, children
+from engine.verify import Verdict
 
 
 class LookupLM:
@@ -160,3 +161,35 @@ def tiny_tokenizer(vocab: int):
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
+
+
+def save_tiny_pair(models_dir, vocab: int, target_seed: int, ssm_seed: int) -> dict[str, str]:
+    """``tiny_llama`` target (2 layers) and SSM (1 layer), each with ``tiny_tokenizer``, saved under
+    ``models_dir`` as ``tiny-target`` and ``tiny-ssm``: the directories a config names. Returns the
+    config's ``target`` and ``ssms`` entries."""
+    tokenizer = tiny_tokenizer(vocab)
+    for name, seed, layers in (("tiny-target", target_seed, 2), ("tiny-ssm", ssm_seed, 1)):
+        tiny_llama(vocab, seed, layers).save_pretrained(models_dir / name)
+        tokenizer.save_pretrained(models_dir / name)
+    return {"target": {"name": "tiny-target", "source": "tiny-target"},
+            "ssms": [{"name": "tiny-ssm", "source": "tiny-ssm"}]}
+
+
+@torch.inference_mode()
+def target_first_two(model, prompt: Sequence[int], sampling: SamplingParams) -> np.ndarray:  # -> [V, V]
+    """Exact distribution of the first two tokens, from the target's own forwards."""
+    vocab = model.config.vocab_size
+    first = warp(model(torch.tensor([list(prompt)])).logits[0, -1], sampling)  # [V]
+    batch = torch.tensor([list(prompt) + [token] for token in range(vocab)])  # [V, len + 1]
+    second = warp(model(batch).logits[:, -1], sampling)  # [V, V]
+    return (first[:, None].double() * second.double()).numpy()
+
+
+def accept_first_draws(proposal, target_probs: torch.Tensor, generator) -> Verdict:  # target_probs [N, V]
+    """NEGATIVE CONTROL, deliberately wrong: the first child of every node accepted whatever the target
+    says, then a bonus token from p."""
+    kids, node, path = children(proposal.tree.parents), 0, [0]
+    while kids[node]:
+        node = kids[node][0]
+        path.append(node)
+    return Verdict(tuple(path), int(torch.multinomial(target_probs[node].float(), 1, generator=generator)), True)

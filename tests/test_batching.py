@@ -148,7 +148,7 @@ def test_eos_inside_trees_and_a_cancel_mid_run(models):
     for output, reference in zip([outputs[0], outputs[2]], [references[0], references[2]]):
         cut = reference.index(eos) + 1 if eos in reference else len(reference)
         assert output == reference[:cut]
-    assert outputs[1] == references[1][:len(outputs[1])] and len(outputs[1]) < 30  # cancelled after 2 steps
+    assert outputs[1] == references[1][:len(outputs[1])] and 2 <= len(outputs[1]) < 30  # cancelled after 2 steps
     assert all(pool.num_free == pool.num_blocks for pool in pools(engine))
 
 

@@ -35,13 +35,14 @@ from engine.draft import DraftSpec, ModelDrafter, Proposal, TreeBuilder
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.generate import SpeculativeEngine
 from engine.merge import merge
-from engine.sampling import SamplingParams, make_generator, warp
+from engine.sampling import SamplingParams, make_generator
 from engine.target import TargetModel
 from engine.tree import children
 from engine.verify import Verdict, verify_stochastic
 from settings.config import SuffixConfig
-from tests.lookup_models import (LookupDrafter, LookupLM, chi_square, node_contexts, prefix_distribution,
-                                 tiny_llama, tiny_tokenizer)
+from tests.lookup_models import (LookupDrafter, LookupLM, accept_first_draws, chi_square, node_contexts,
+                                 prefix_distribution, save_tiny_pair, target_first_two, tiny_llama,
+                                 tiny_tokenizer)
 
 THRESHOLD = 1e-3  # chi-square p-value: above it the output is the target distribution
 SAMPLES = 20_000  # per lookup-level case
@@ -525,15 +526,6 @@ def generate_batched(engine: SpeculativeEngine, requests: list[GenerationRequest
     return [last[i] for i in ids], most
 
 
-@torch.inference_mode()
-def target_first_two(model, prompt: tuple[int, ...], sampling: SamplingParams) -> np.ndarray:  # -> [V, V]
-    """Exact distribution of the first two tokens, from the target's own forwards."""
-    first = warp(model(torch.tensor([prompt])).logits[0, -1], sampling)  # [V]
-    batch = torch.tensor([list(prompt) + [token] for token in range(E2E_VOCAB)])  # [V, len + 1]
-    second = warp(model(batch).logits[:, -1], sampling)  # [V, V]
-    return (first[:, None].double() * second.double()).numpy()
-
-
 E2E_CASES = [
     ("tree (2,2) sampled", SpeculationOptions("tree", (2, 2), children="sampled"), T1),
     ("tree (2,2) top_k", SpeculationOptions("tree", (2, 2), children="top_k"), T1),
@@ -559,16 +551,6 @@ def test_engine_first_two_tokens_are_target_distributed(tiny_engine, tiny_batche
     print(f"     {accepted} draft tokens accepted over {E2E_SAMPLES} requests")
     assert result.pvalue > THRESHOLD
     assert accepted > 0.15 * E2E_SAMPLES  # speculation really happened
-
-
-def accept_first_draws(proposal, target_probs: torch.Tensor, generator) -> Verdict:  # target_probs [N, V]
-    """NEGATIVE CONTROL, deliberately wrong: the first child of every node accepted whatever the target
-    says, then a bonus token from p."""
-    kids, node, path = children(proposal.tree.parents), 0, [0]
-    while kids[node]:
-        node = kids[node][0]
-        path.append(node)
-    return Verdict(tuple(path), int(torch.multinomial(target_probs[node].float(), 1, generator=generator)), True)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -638,9 +620,7 @@ def test_cli_generate_sampling_flags(tmp_path, capsys, monkeypatch):
 
     monkeypatch.delenv("SPECINFER_MODELS", raising=False)
     models, tokenizer = tmp_path / "models", tiny_tokenizer(E2E_VOCAB)
-    for name, seed, layers in (("tiny-target", 11, 2), ("tiny-ssm", 12, 1)):
-        tiny_llama(E2E_VOCAB, seed, layers).save_pretrained(models / name)
-        tokenizer.save_pretrained(models / name)
+    save_tiny_pair(models, E2E_VOCAB, target_seed=11, ssm_seed=12)
     config = tmp_path / "tiny.yaml"
     config.write_text(
         f"models_dir: {models}\ndtype: float32\ntarget: {{name: tiny-target, source: tiny-target}}\n"

@@ -19,6 +19,7 @@ import pytest
 from cluster.metrics import (SPECS, RequestObservation, ServingMetrics, exported_name, observed, parse_samples,
                              sample_sum)
 from cluster.serve_client import Client, build_request
+from engine.requests import HOPS
 from serving_fixtures import (metrics_url, own_app, ray_session, serving,  # noqa: F401 (fixtures)
                               tiny_args, tiny_models, wait_until)
 
@@ -81,7 +82,8 @@ def test_record_counts_a_request_from_its_stats():
 
     stats = GenerationStats(mode="tree", target_steps=5, new_tokens=12, draft_tokens=30,
                             accepted_per_proposer={"ssm-a": 5, "suffix": 2}, accepted_per_depth=[4, 3, 0],
-                            tree_sizes=[12, 0, 10, 8], prefetch_hits=3, prefetch_misses=1, prefetch_saved_ms=250.0)
+                            tree_sizes=[12, 0, 10, 8], prefetch_hits=3, prefetch_misses=1, prefetch_saved_ms=250.0,
+                            hop_ms={"draft": 300.0, "merge": 20.0, "verify": 500.0, "transport": 80.0})
     now = [10.0]
     observation = RequestObservation("grpc", clock=lambda: now[0])
     metrics = fake_metrics()
@@ -106,6 +108,8 @@ def test_record_counts_a_request_from_its_stats():
     assert m["specinfer:spec_decode_tree_nodes"].calls == [(12, {}), (0, {}), (10, {}), (8, {})]
     assert m["specinfer:spec_decode_prefetch"].calls == [(3, {"result": "hit"}), (1, {"result": "miss"})]
     assert m["specinfer:spec_decode_prefetch_saved_seconds"].calls == [(0.25, {})]
+    assert m["specinfer:step_hop_seconds"].calls == [(0.3, {"hop": "draft"}), (0.02, {"hop": "merge"}),
+                                                     (0.5, {"hop": "verify"}), (0.08, {"hop": "transport"})]
     assert m["specinfer:e2e_request_latency_seconds"].calls == [(2.0, {})]
     assert m["specinfer:time_to_first_token_seconds"].calls == [(0.5, {})]
     assert m["specinfer:output_tokens_per_second"].calls == [(6.0, {})]
@@ -319,18 +323,29 @@ def test_metrics_equal_the_request_statistics(metrics_app, metrics_url, tiny_mod
 
     per_pos = {str(i): float(v) for i, v in enumerate(stats.accepted_per_depth) if v}
     per_ssm = {k: float(v) for k, v in stats.accepted_per_ssm.items() if v}
+    # where the steps' wall time went (seconds per hop): the reply's hop_ms, every hop present; the
+    # hops sum to the steps' wall time (draft_ms + verify_ms), verify is verify_ms
+    hops = {hop: ms / 1e3 for hop, ms in stats.hop_ms.items()}
+    assert set(hops) == set(HOPS) and all(seconds > 0 for seconds in hops.values()), hops
+    assert stats.hop_ms["verify"] == stats.verify_ms
+    assert sum(stats.hop_ms.values()) == pytest.approx(stats.draft_ms + stats.verify_ms, rel=1e-9)
+
+    def hop_seconds(text: str) -> dict[str, float]:
+        return per_label(text, "specinfer:step_hop_seconds", "hop")
 
     def complete(text: str) -> bool:
         return (all(delta(text, name) == value for name, value in expected.items())
                 and delta(text, "specinfer:requests", status="OK", api="grpc") == 1
                 and per_label(text, "specinfer:spec_decode_num_accepted_tokens_per_pos", "position") == per_pos
-                and per_label(text, "specinfer:spec_decode_num_accepted_tokens_per_ssm", "ssm") == per_ssm)
+                and per_label(text, "specinfer:spec_decode_num_accepted_tokens_per_ssm", "ssm") == per_ssm
+                and hop_seconds(text) == pytest.approx(hops, rel=1e-6))
 
     after = wait_for(metrics_url, complete)
     assert {name: delta(after, name) for name in expected} == expected
     assert delta(after, "specinfer:requests", status="OK", api="grpc") == 1
     assert per_label(after, "specinfer:spec_decode_num_accepted_tokens_per_pos", "position") == per_pos
     assert per_label(after, "specinfer:spec_decode_num_accepted_tokens_per_ssm", "ssm") == per_ssm
+    assert hop_seconds(after) == pytest.approx(hops, rel=1e-6)  # specinfer:step_hop_seconds, hop by hop
     assert sum(per_pos.values()) == stats.accepted_tokens
     assert all(delta(after, "specinfer:iteration_phase_seconds", phase=p) > 0 for p in ("draft", "verify"))
     assert total(after, "specinfer:num_requests_waiting") == 0

@@ -17,7 +17,9 @@ from engine.offload import ALIGN, OffloadSpec, TensorEntry, load_offloaded, plan
 from engine.paged_models import PagedTarget, paged_parts
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.target import TargetModel
+from serving_fixtures import local_engine, own_app, ray_session, serving, tiny_args, tiny_models  # noqa: F401
 from settings.config import EngineConfig
+from test_serving import PROMPTS, local_result
 from tests.tiny_models import IdTokenizer, greedy_to_eos, reference_greedy, tiny_model
 
 PROMPT = [5, 9, 3, 5, 9, 11, 7, 5, 9, 3, 17, 2]
@@ -290,3 +292,44 @@ def test_gpu_offload_script_runs_on_a_tiny_shape(tmp_path):
     assert [len(r["token_ids"]) for r in result["rows"]] == [16, 16, 16]
     assert set(result["curves_ms"]["streamed"]) == {"1", "2", "4", "8", "16", "32", "64", "128"}
     assert all(r["mb_copied_per_token"] > 0 for r in result["rows"])
+
+
+# --- served ------------------------------------------------------------------------------------
+
+
+def preset_offload() -> dict:
+    """configs/offload.yaml's ``target.offload`` block (the shipped offloading preset)."""
+    from cluster.cli_serve import load_serve_config
+    from settings.config import engine_section
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "offload.yaml"
+    return engine_section(load_serve_config(path), path)["target"]["offload"]
+
+
+@pytest.mark.ray
+def test_offloaded_target_served_over_grpc_equals_in_process(serving, tiny_args, local_engine):  # noqa: F811
+    """configs/offload.yaml's offloading (every decoder layer read from the safetensors file on each
+    pass, O_DIRECT, read ahead) on the serving tests' tiny models, served: the greedy tokens over gRPC
+    are the in-process engine's on the same config, and the resident target's. The served verifier
+    really streamed: a pass per target step at least, each loading every streamed layer."""
+    import ray
+
+    from cluster.build import build_engine
+    from cluster.serve_client import build_request
+
+    offload = preset_offload()
+    args = {**tiny_args, "target": {**tiny_args["target"], "offload": offload}}
+    _, offloaded_local = local_result(build_engine(EngineConfig.model_validate(args)), args, PROMPTS[1],
+                                      max_new_tokens=40)
+    _, resident = local_result(local_engine, tiny_args, PROMPTS[1], max_new_tokens=40)
+    with own_app(serving, args, "specinfer-offload", "/offload") as (client, handle, _):
+        reply = client.generate(build_request(PROMPTS[1], max_new_tokens=40), timeout=120)
+        verifier = handle.actors.remote().result()["verifier"]
+        stats = ray.get(verifier.__ray_call__.remote(lambda actor: streamer_of(actor.target.model).stats()),
+                        timeout=60)
+    assert list(reply.token_ids) == list(offloaded_local.token_ids) == list(resident.token_ids)
+    assert len(reply.token_ids) == 40 and reply.stats.target_steps == offloaded_local.stats.target_steps
+    streamed = local_engine.target.model.config.num_hidden_layers - offload["resident_layers"]
+    assert streamed > 0 and stats.passes >= reply.stats.target_steps
+    assert stats.layers_loaded >= stats.passes * streamed
+

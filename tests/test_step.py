@@ -12,10 +12,10 @@ from actors.merge import MergeActor
 from actors.suffix import SuffixDrafter, tree_proposal
 from engine.draft import CHILDREN_RULES, ModelDrafter
 from engine.merge import merge
-from engine.requests import SpeculationOptions
+from engine.requests import HOPS, GenerationStats, SpeculationOptions, StepOutcome
 from engine.sampling import SamplingParams, make_generator
-from engine.step import (Assignment, Drafted, draft_with, merge_drafts, plan_proposers, run_sync, step_outcome,
-                         tree_reservation)
+from engine.step import (Assignment, Drafted, draft_with, merge_drafts, plan_proposers, record_step, run_sync,
+                         step_outcome, tree_reservation)
 from engine.tree import TokenTree, schedule_nodes
 from engine.verify import Verdict
 from settings.config import SuffixConfig
@@ -101,6 +101,30 @@ def test_step_outcome_carries_what_statistics_need():
     assert outcome.accepted_depths == (1, 2)
     assert outcome.accepted_by == ((0, 2), (0,))
     assert (outcome.draft_tokens, outcome.draft_ms, outcome.merge_ms, outcome.verify_ms) == (3, 3.0, 1.0, 5.0)
+
+
+HOP_STEPS = [  # (steps as (draft, merge, verify ms measured where each ran, the step's wall ms), hop_ms)
+    # transport: the step's wall time the other hops do not account for (calls, scheduling)
+    ([(3.0, 1.0, 5.0, 12.0)], {"draft": 3.0, "merge": 1.0, "verify": 5.0, "transport": 3.0}),
+    # steps add up, hop by hop
+    ([(3.0, 1.0, 5.0, 12.0), (2.0, 0.5, 4.0, 7.0)], {"draft": 5.0, "merge": 1.5, "verify": 9.0, "transport": 3.5}),
+    # a tree drafted ahead (prefetch) ran before the step began: no negative transport
+    ([(8.0, 1.0, 5.0, 10.0), (1.0, 1.0, 1.0, 4.0)], {"draft": 9.0, "merge": 2.0, "verify": 6.0, "transport": 1.0}),
+]
+
+
+@pytest.mark.parametrize("steps,hop_ms", HOP_STEPS, ids=["one step", "two steps", "drafted ahead"])
+def test_hop_times_split_each_steps_wall_time(steps, hop_ms):
+    """GenerationStats.hop_ms (the served replies' hop_ms, the specinfer:step_hop_seconds counter):
+    every hop present, verify as verify_ms, and the hops sum to the steps' wall time, each step's
+    at least (one whose drafting ran before it began counts that drafting whole)."""
+    stats = GenerationStats("tree")
+    for draft, merge, verify, wall in steps:
+        record_step(stats, StepOutcome((7,), (), (), 2, draft, merge, verify), NAMES, wall)
+    assert stats.hop_ms == hop_ms and tuple(stats.hop_ms) == HOPS
+    assert stats.hop_ms["verify"] == stats.verify_ms
+    assert stats.draft_ms + stats.verify_ms == sum(wall for *_, wall in steps)
+    assert sum(stats.hop_ms.values()) == sum(max(wall, sum(inside)) for *inside, wall in steps)
 
 
 def test_run_sync_refuses_a_coroutine_that_suspends():
