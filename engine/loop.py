@@ -11,7 +11,7 @@ them, and each request's updates wait in its outbox until ``take`` collects them
    for the whole batch (``engine.programs.run_rounds``); the model-free proposers beside them;
 3. **merge**: each request's drafts folded into one tree, in proposer order;
 4. **verify**: one packed target pass over every tree and this iteration's prompt chunks (at most
-   ``chunk_tokens`` prompt tokens, the earliest requests first);
+   ``chunk_tokens`` prompt tokens, the least prompt left first, with aging: ``prefill_order``);
 5. **commit**: per request, verification with its own generator (so its output does not depend on
    who else runs), commit of the accepted path, tokens to its outbox.
 
@@ -135,6 +135,7 @@ class LoopRequest:
     outbox: deque = field(default_factory=deque)
     error: BaseException | None = None
     finished: bool = False
+    passed_over: int = 0  # passes that took other prompts' chunks while this one waited for its next
 
     @property
     def prefilling(self) -> bool:
@@ -298,15 +299,15 @@ class EngineLoop:
         return len(request.prompt_ids) + request.max_new_tokens + tree_reservation(plan)
 
     def _chunks_this_pass(self) -> list[LoopRequest]:
-        """The prefilling requests whose next chunk joins this pass: in admission order, while their
-        prompt tokens stay within ``chunk_tokens`` (the first always goes)."""
+        """The prefilling requests whose next chunk joins this pass: in ``prefill_order``, each whose
+        chunk still fits within ``chunk_tokens`` (the first always goes); the others age by a pass."""
+        prefilling = [r for r in self.running if r.prefilling and not r.finished]
         chosen, total, limit = [], 0, self.limits.chunk_tokens
-        for r in self.running:
-            if not r.prefilling or r.finished:
-                continue
+        for r in prefill_order(prefilling, limit):
             size = min(r.prompt_left, limit or r.prompt_left)
             if chosen and limit is not None and total + size > limit:
-                break
+                r.passed_over += 1
+                continue
             chosen.append(r)
             total += size
         return chosen
@@ -380,6 +381,20 @@ class EngineLoop:
         for observer in self.observers:
             observer(self.last)
         return self.last
+
+
+def prefill_order(prefilling: Sequence[LoopRequest], chunk_tokens: int | None) -> list[LoopRequest]:
+    """Shortest remaining prompt first, so that a burst's median first token does not wait behind
+    its longest prompts; each pass a request was passed over counts as one chunk of its prompt fed,
+    so a long prompt is not overtaken forever (ties: admission order). Whole prompts (``chunk_tokens``
+    None) go in admission order::
+
+        prompt left 300, 40, 90 (admitted in that order), chunk 128 -> 40, 90, 300
+        the 300 passed over twice (300 - 2 * 128 = 44) -> 40, 300, 90
+    """
+    if chunk_tokens is None:
+        return list(prefilling)
+    return sorted(prefilling, key=lambda r: (r.prompt_left - chunk_tokens * r.passed_over, r.id))
 
 
 class _PhaseClock:

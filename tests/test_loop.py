@@ -12,7 +12,7 @@ from engine.draft import ModelDrafter
 from engine.generate import SpeculativeEngine
 from engine.kv_pool import PoolExhausted
 from engine.phases import local_loop
-from engine.loop import EngineLoop, LoopLimits, QueueFull
+from engine.loop import EngineLoop, LoopLimits, LoopRequest, QueueFull, prefill_order
 from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 from engine.programs import Forward, alone, run_alone, run_round, run_rounds, start
 from engine.requests import GenerationRequest, SpeculationOptions
@@ -269,6 +269,53 @@ def test_iteration_stats_add_up_to_the_requests_own(models):
     assert sum(s.prompt_tokens for s in seen) == 6 + 20
     assert seen[0].kv_blocks_used > 0 and seen[-1].kv_blocks_used == 0 and seen[-1].running == 0
     assert set(seen[0].ms) == {"schedule", "draft", "verify", "commit"}
+
+
+def test_a_burst_prefills_the_shortest_prompts_first_and_packs_them():
+    """Chunks of 64: prompts of 100, 20 and 30 tokens arriving together. The two short ones share
+    the first pass and have their first token after it; the long one takes the next two passes.
+    (Admission order would feed 64 of the long one first and everyone's first token would come later.)"""
+    lengths = (100, 20, 30)
+    loop = EngineLoop.__new__(EngineLoop)  # only the scheduling state is used
+    loop.limits = LoopLimits(chunk_tokens=64)
+    loop.running = [LoopRequest(i, GenerationRequest(tuple(range(n)), 4), prompt_left=n) for i, n in enumerate(lengths)]
+    passes = []
+    while any(r.prefilling for r in loop.running):
+        chosen = loop._chunks_this_pass()
+        passes.append([(r.id, min(r.prompt_left, 64)) for r in chosen])
+        for r in chosen:
+            r.prompt_left -= min(r.prompt_left, 64)
+    assert passes == [[(1, 20), (2, 30)], [(0, 64)], [(0, 36)]]
+
+
+@pytest.mark.parametrize("waits, expected", [
+    (0, [1, 2, 0]),  # 40, 90, 300 left: shortest first
+    (2, [1, 0, 2]),  # the 300 passed over twice counts as 300 - 2 * 128 = 44: before the 90
+    (3, [0, 1, 2]),  # three times: -84, first of all
+])
+def test_prefill_order_ages_a_long_prompt_past_new_short_ones(waits, expected):
+    requests = [LoopRequest(i, GenerationRequest((1,), 1), prompt_left=n) for i, n in enumerate((300, 40, 90))]
+    requests[0].passed_over = waits
+    assert [r.id for r in prefill_order(requests, 128)] == expected
+    assert [r.id for r in prefill_order(requests, None)] == [0, 1, 2]  # whole prompts: admission order
+
+
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones(models):
+    """Chunks of 16; a 48-token prompt, and a new 10-token prompt before every pass. Shortest first
+    alone would feed the short ones for as long as they come; with aging the long one is passed over
+    three times (48 - 3 * 16 = 0 < 10), then fed 16 a pass. Every output stays exact."""
+    loop = paged_loop(models, limits=LoopLimits(max_running=16, chunk_tokens=16))
+    prompts = [tuple(range(2, 50))]
+    ids = [loop.submit(GenerationRequest(prompts[0], 4))]
+    long_left = []
+    for k in range(8):
+        prompts.append(tuple(range(60 + k, 70 + k)))
+        ids.append(loop.submit(GenerationRequest(prompts[-1], 4)))
+        loop.step()
+        long_left.append(loop.requests[ids[0]].prompt_left if ids[0] in loop.requests else None)
+    assert long_left[:6] == [48, 48, 48, 32, 16, 0]
+    outputs = drain(loop, ids)
+    assert [outputs[i] for i in ids] == [reference_greedy(models[0], list(p), 4) for p in prompts]
 
 
 def test_unpacked_models_run_in_the_loop_one_item_at_a_time(models):
