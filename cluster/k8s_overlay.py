@@ -205,7 +205,7 @@ class KubernetesOverlay(Strict):
                 f"upgrade_strategy NewCluster starts a second RayCluster whose GPU workers mount the same claim "
                 f"{self.models.claim_name!r}, but its access_mode is {self.models.access_mode}: a worker on another "
                 "node never starts. Use models.volume: per_pod, a ReadWriteMany (or pre-filled ReadOnlyMany) claim, or "
-                "upgrade_strategy: None (docs/kubernetes.md, 'Upgrades')")
+                "upgrade_strategy: None (docs/kubernetes.md, 'Upgrades and shutdowns')")
         return self
 
 

@@ -1146,8 +1146,8 @@ def test_shutdown_times_derive_from_the_server_config(variant, drain, ttl, varia
     # grace = drain_timeout_s + 15 s for the node to stop after the drain + 15 s for SIGTERM to stop Ray
     assert spec["terminationGracePeriodSeconds"] == math.ceil(drain) + 30
     (container,) = spec["containers"]
-    assert container["lifecycle"] == {"preStop": {"exec": {"command": [
-        "specinfer", "k8s", "drain-node", "--deadline-s", str(math.ceil(drain)), "--wait-s", str(math.ceil(drain) + 15)]}}}
+    command = ["specinfer", "k8s", "drain-node", "--deadline-s", str(drain), "--wait-s", str(drain + 15)]
+    assert container["lifecycle"] == {"preStop": {"exec": {"command": command}}}
     # Ray's own SIGTERM drain gets what is left of the grace period (10 s < the 15 s margin)
     assert {"name": "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "value": "10"} in container["env"]
     # the old cluster of an upgrade outlives the longest request by 30 s
@@ -1210,6 +1210,88 @@ def test_drain_node_refusals_are_reported():
     assert drain_node(FakeGcs(0, accept=False), "10.0.0.7", 30, 45, 2) == f"drain of node {'01' * 28} refused: not idle"
     with pytest.raises(LookupError, match="0 live Ray nodes at 10.9.9.9"):
         drain_node(FakeGcs(0), "10.9.9.9", 30, 45, 2)
+
+
+REAL_DRAIN = """
+import os, socket, sys, threading, time
+import ray
+from ray.cluster_utils import Cluster
+from ray._raylet import GcsClient
+from ray.core.generated import autoscaler_pb2
+from cluster.k8s_drain import drain_node
+
+def port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def node_args(**more):
+    return {"node_ip_address": "127.0.0.1", "dashboard_agent_listen_port": port(), "metrics_export_port": port(),
+            **more}
+
+cluster = Cluster(initialize_head=True, head_node_args=node_args(num_cpus=1, gcs_server_port=port(),
+                                                                 include_dashboard=False, temp_dir=sys.argv[1]))
+try:
+    worker = cluster.add_node(**node_args(num_cpus=1, resources={"pipeline": 1}))
+    ray.init(address=cluster.address)
+
+    @ray.remote(num_cpus=0.5, resources={"pipeline": 1})
+    class Replica:
+        def node(self):
+            return ray.get_runtime_context().get_node_id()
+
+    replica = Replica.remote()
+    assert ray.get(replica.node.remote()) == worker.node_id
+    gcs = GcsClient(address=cluster.address)
+
+    class ThisPod:  # both nodes are 127.0.0.1 here: the hook sees the worker only, as one pod's IP shows it
+        def get_all_node_info(self, timeout=None):
+            return {k: v for k, v in gcs.get_all_node_info(timeout=timeout).items() if not v.is_head_node}
+
+        def drain_node(self, *args, **kwargs):
+            return gcs.drain_node(*args, **kwargs)
+
+    said = []
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    hook = threading.Thread(target=lambda: said.append(drain_node(ThisPod(), "127.0.0.1", 30, 60, reason)))
+    hook.start()
+    deadline = time.time() + 20
+    while worker.node_id not in gcs.get_draining_nodes() and time.time() < deadline:
+        time.sleep(0.2)
+    print("draining:", worker.node_id in gcs.get_draining_nodes(), "waiting:", hook.is_alive(), flush=True)
+    ray.kill(replica)  # what Serve does to a replica on a draining node once its requests are done
+    hook.join(60)
+    print("hook:", said[0] if said else "still running")
+finally:
+    ray.shutdown()
+    cluster.shutdown()
+"""
+
+
+@pytest.mark.ray
+def test_drain_node_on_a_real_cluster(tmp_path):
+    """The hook against Ray 2.60 itself (a head and a worker node, in a subprocess): the GCS marks the
+    node draining (so the id went in the form it decodes), the hook waits while an actor holds the
+    node, and returns once the raylet, drained and idle, has exited by itself."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="drain-", dir="/tmp")  # short: Ray's socket paths live under it
+    os.makedirs(os.path.join(ray_tmp, "ray"))
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": ray_tmp, "PYTHONPATH": str(ROOT)}
+    try:
+        result = subprocess.run([sys.executable, "-c", REAL_DRAIN, ray_tmp], cwd=ROOT, env=env, capture_output=True,
+                                text=True, timeout=300)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "draining: True waiting: True" in lines, result.stdout
+    (hook,) = [line for line in lines if line.startswith("hook:")]
+    assert re.fullmatch(r"hook: node [0-9a-f]{56} drained and stopped after \d+ s", hook), hook
 
 
 def test_drain_node_without_a_gcs_exits_at_once(monkeypatch, capsys):
