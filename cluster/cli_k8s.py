@@ -6,7 +6,7 @@ import difflib
 import sys
 from pathlib import Path
 
-from .k8s import DEFAULT_OUT, DEFAULT_OVERLAY, DEFAULT_SERVE_CONFIG, render
+from .k8s import DEFAULT_OUT, DEFAULT_OVERLAY, DEFAULT_SERVE_CONFIG, render_files
 
 
 def add_parsers(subparsers) -> None:
@@ -21,10 +21,27 @@ def add_parsers(subparsers) -> None:
     ren.add_argument("--check", action="store_true",
                      help="write nothing; exit 1 when --out differs from what would be generated")
     ren.set_defaults(handler=run_render)
+    drain = k8s_sub.add_parser("drain-node", help="(preStop hook of the worker pods) drain this pod's Ray node: "
+                                                  "Serve moves its replicas and finishes their requests; wait for it")
+    drain.add_argument("--deadline-s", type=float, required=True,
+                       help="the drain deadline Ray is given (render: server.drain_timeout_s)")
+    drain.add_argument("--wait-s", type=float, required=True, help="return after this long at the latest")
+    drain.add_argument("--address", default=None, help="GCS address (default $RAY_ADDRESS, which KubeRay sets)")
+    drain.add_argument("--node-ip", default=None, help="this node's IP (default: the one Ray detects)")
+    drain.set_defaults(handler=_run_drain_node)
+
+
+def _run_drain_node(args) -> int:
+    from .k8s_drain import run_drain_node
+
+    return run_drain_node(args)
 
 
 def run_render(args) -> int:
-    text = render(args.serve_config, args.overlay)
+    rendered = render_files(args.serve_config, args.overlay)
+    text = rendered.text
+    for note in rendered.notes:
+        print(f"note: {note}", file=sys.stderr)
     if args.check:
         if args.out == "-":
             raise ValueError("--check needs a file for --out")

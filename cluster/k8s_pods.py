@@ -10,9 +10,10 @@ injects into worker pods (``wait-gcs-ready``; ray-operator/controllers/ray/commo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from settings.config import APP_NAME, DEFAULT_AUTH_TOKEN_ENV
+from settings.config import APP_NAME
 
 from .k8s_overlay import KubernetesOverlay
 
@@ -25,6 +26,21 @@ SERVE_PORT_NAME, GRPC_PORT_NAME = "serve", "serve-grpc"
 ALL_INTERFACES = "0.0.0.0"
 RAY_UID = 1000  # user `ray` of the rayproject/ray images (and of ours, built FROM one)
 RAY_GID = 100  # its primary group `users`
+AUTH_MOUNT, AUTH_FILE = "/etc/specinfer/auth", "tokens"  # the serving tokens' Secret, in the worker pods
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What render derived for the worker group: pod counts (from the ingress replica bounds) and the
+    shutdown: ``prestop`` runs in the Ray container before SIGTERM, within ``grace_s`` seconds."""
+
+    replicas: int
+    min_replicas: int
+    max_replicas: int
+    grace_s: int
+    prestop: tuple[str, ...]
+    sigterm_drain_s: int  # RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S: Ray's own drain on SIGTERM, after the hook
+    fetch_names: tuple[str, ...]
 
 
 def object_labels(kube: KubernetesOverlay) -> dict[str, str]:
@@ -46,14 +62,10 @@ def _resources(cpu: str, memory: str, extra: dict | None = None) -> dict:
     return {"limits": dict(amounts), "requests": dict(amounts)}
 
 
-def _env(kube: KubernetesOverlay, ray: bool) -> list[dict]:
-    """Models load from the volume only; nothing reaches a model hub at run time. Ray containers
-    (not the fetch initContainer) also get the auth token when the overlay names its Secret."""
-    env: list[dict] = [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TOKENIZERS_PARALLELISM", "value": "false"}]
-    if ray and kube.auth:
-        env.append({"name": DEFAULT_AUTH_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": kube.auth.secret,
-                                                                            "key": kube.auth.key}}})
-    return env
+def _env() -> list[dict]:
+    """Models load from the volume only; nothing reaches a model hub at run time. (The serving tokens
+    come as a file, ``worker_group``; Ray's token, with authOptions, KubeRay adds itself.)"""
+    return [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TOKENIZERS_PARALLELISM", "value": "false"}]
 
 
 def container_security() -> dict:
@@ -70,14 +82,14 @@ def pod_security() -> dict:
             "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def _container(kube: KubernetesOverlay, name: str, resources: dict, *, ray: bool = True, ports: list | None = None,
+def _container(kube: KubernetesOverlay, name: str, resources: dict, *, ports: list | None = None,
                command: list[str] | None = None, mounts: list[dict] | None = None) -> dict:
     container: dict[str, Any] = {"name": name, "image": kube.image, "imagePullPolicy": kube.image_pull_policy}
     if command:
         container["command"] = command
     if ports:
         container["ports"] = ports
-    container["env"] = _env(kube, ray)
+    container["env"] = _env()
     container["resources"] = resources
     if mounts:
         container["volumeMounts"] = mounts
@@ -115,29 +127,58 @@ def head_group(kube: KubernetesOverlay) -> dict:
 def fetch_container(kube: KubernetesOverlay, names: list[str]) -> dict:
     """The initContainer that fills the model volume; idempotent (checksum markers)."""
     models = kube.models
-    return _container(kube, "fetch-models", _resources(models.fetch_cpu, models.fetch_memory), ray=False,
+    return _container(kube, "fetch-models", _resources(models.fetch_cpu, models.fetch_memory),
                       command=["specinfer", "models", "fetch", "--cache-dir", models.mount_path, *names],
                       mounts=[{"name": "models", "mountPath": models.mount_path}])
 
 
-def worker_group(kube: KubernetesOverlay, fetch_names: list[str]) -> dict:
-    """The GPU worker group; ``fetch_names`` are the models the initContainer fetches (with models.fetch)."""
+def _worker_volumes(kube: KubernetesOverlay) -> tuple[list[dict], list[dict]]:
+    """(volumes, the Ray container's mounts): the models (a claim, or an emptyDir per pod) and the
+    serving tokens' Secret (a directory mount, not subPath, so that Kubernetes updates it in place)."""
+    models = kube.models
+    if models.volume == "per_pod":
+        volumes = [{"name": "models", "emptyDir": {"sizeLimit": models.size_limit}}]
+    else:
+        volumes = [{"name": "models", "persistentVolumeClaim": {"claimName": models.claim_name,
+                                                                "readOnly": not models.fetch}}]
+    mounts = [{"name": "models", "mountPath": models.mount_path, "readOnly": True}]
+    if kube.auth:
+        items = [{"key": kube.auth.key, "path": AUTH_FILE}]
+        volumes.append({"name": "auth-tokens", "secret": {"secretName": kube.auth.secret, "items": items}})
+        mounts.append({"name": "auth-tokens", "mountPath": AUTH_MOUNT, "readOnly": True})
+    return volumes, mounts
+
+
+def worker_group(kube: KubernetesOverlay, plan: WorkerPlan) -> dict:
+    """The GPU worker group: pod counts, the model volume (filled by the fetch initContainer with
+    models.fetch), the drain before a pod stops (preStop ``plan.prestop``, ``docs/kubernetes.md``)."""
     models, worker = kube.models, kube.worker
     resources = _resources(worker.cpu, worker.memory, {worker.gpu_resource: str(worker.gpus)})
+    volumes, mounts = _worker_volumes(kube)
     container = _container(kube, "ray-worker", resources,
                            ports=[_port(SERVE_PORT_NAME, SERVE_PORT), _port(GRPC_PORT_NAME, GRPC_PORT)],
-                           mounts=[{"name": "models", "mountPath": models.mount_path, "readOnly": True}])
-    init = [fetch_container(kube, fetch_names)] if models.fetch else None
+                           mounts=mounts)
+    container["env"].append({"name": "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "value": str(plan.sigterm_drain_s)})
+    container["lifecycle"] = {"preStop": {"exec": {"command": list(plan.prestop)}}}
+    init = [fetch_container(kube, list(plan.fetch_names))] if models.fetch else None
     spec = _pod_spec(kube, [container], init)
-    spec["volumes"] = [{"name": "models", "persistentVolumeClaim": {"claimName": models.claim_name,
-                                                                     "readOnly": not models.fetch}}]
+    spec["volumes"] = volumes
+    spec["terminationGracePeriodSeconds"] = plan.grace_s
     if worker.tolerate_gpu_taint and worker.gpus:
         spec["tolerations"] = [{"key": worker.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}]
     return {
         "groupName": worker.group_name,
-        "replicas": worker.replicas,
-        "minReplicas": worker.min_replicas,
-        "maxReplicas": worker.max_replicas,
+        "replicas": plan.replicas,
+        "minReplicas": plan.min_replicas,
+        "maxReplicas": plan.max_replicas,
         "rayStartParams": {},
         "template": {"metadata": {"labels": pod_labels(kube, "ray-worker")}, "spec": spec},
     }
+
+
+def autoscaler_options(kube: KubernetesOverlay) -> dict:
+    """rayClusterConfig.autoscalerOptions: the autoscaler sidecar in the head pod, restricted like the rest."""
+    scaler = kube.autoscaler
+    return {"upscalingMode": scaler.upscaling_mode, "idleTimeoutSeconds": scaler.idle_timeout_s,
+            "imagePullPolicy": kube.image_pull_policy, "resources": _resources(scaler.cpu, scaler.memory),
+            "securityContext": container_security()}

@@ -216,7 +216,13 @@ class ServerConfig(Strict):
     max_stop_string_chars: int = Field(default=256, ge=1)
     auth_token_env: str | None = Field(
         default=DEFAULT_AUTH_TOKEN_ENV,
-        description="environment variable holding the bearer token; set and non-empty in the replica: auth is on")
+        description="environment variable holding the bearer token (several: separated by commas); set and "
+                    "non-empty in the replica: auth is on")
+    auth_token_file: str | None = Field(
+        default=None,
+        description="file of accepted bearer tokens, one per line (# comments), read again whenever it changes "
+                    "(a rotated Kubernetes Secret needs no restart); set: auth is on, and while the file is "
+                    "missing or empty only the environment's tokens are accepted (none: every request is refused)")
     request_ttl_s: float = Field(default=600.0, gt=0.0)
     ssm_actor: ActorOptions = ActorOptions()
     merge_actor: ActorOptions = ActorOptions(num_cpus=0.1, torch_threads=1)

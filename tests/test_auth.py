@@ -30,13 +30,102 @@ MODEL = "tiny-target"
 
 # --- without Ray ------------------------------------------------------------------------------
 
+def _tokens(source) -> tuple[str, ...] | None:
+    return None if source is None else source.current()
+
+
 @pytest.mark.parametrize("environ,expected", [
-    ({}, None), ({"SPECINFER_AUTH_TOKEN": ""}, None), ({"SPECINFER_AUTH_TOKEN": TOKEN}, TOKEN),
-    ({"OTHER": TOKEN}, None)])
+    ({}, None), ({"SPECINFER_AUTH_TOKEN": ""}, None), ({"SPECINFER_AUTH_TOKEN": TOKEN}, (TOKEN,)),
+    ({"SPECINFER_AUTH_TOKEN": f"{TOKEN}, next-token ,"}, (TOKEN, "next-token")), ({"OTHER": TOKEN}, None)])
 def test_auth_is_on_only_when_the_env_var_is_set(environ, expected):
-    assert auth_token(ServerConfig(), environ) == expected
+    assert _tokens(auth_token(ServerConfig(), environ)) == expected
     assert auth_token(ServerConfig(auth_token_env=None), {"SPECINFER_AUTH_TOKEN": TOKEN}) is None
-    assert auth_token(ServerConfig(auth_token_env="OTHER"), {"OTHER": TOKEN}) == TOKEN
+    assert _tokens(auth_token(ServerConfig(auth_token_env="OTHER"), {"OTHER": TOKEN})) == (TOKEN,)
+
+
+def _secret_volume(tmp_path, tokens: str, version: int):
+    """Write ``tokens`` the way the kubelet updates a Secret volume (AtomicWriter): the key is a symlink
+    into ``..data``, itself a symlink swapped in one rename to a new timestamped directory."""
+    import os
+
+    data = tmp_path / f"..2026_12_06_{version}"
+    data.mkdir()
+    (data / "tokens").write_text(tokens)
+    (tmp_path / "..data_tmp").symlink_to(data.name)
+    os.replace(tmp_path / "..data_tmp", tmp_path / "..data")
+    if not (tmp_path / "tokens").is_symlink():
+        (tmp_path / "tokens").symlink_to("..data/tokens")
+    return tmp_path / "tokens"
+
+
+def test_token_file_rotation_needs_no_restart(tmp_path):
+    """A Secret rotated in place: the old token works until it leaves the file, the new one from when
+    it enters; checked per request on the same TokenSource (no restart, no new object)."""
+    path = _secret_volume(tmp_path, "old-token\n", 1)
+    source = auth_token(ServerConfig(auth_token_file=str(path)), {})
+    check_metadata((("authorization", "Bearer old-token"),), source)
+    with pytest.raises(Unauthenticated, match="invalid"):
+        check_metadata((("authorization", "Bearer new-token"),), source)
+    _secret_volume(tmp_path, "# rotating: both accepted\nnew-token\nold-token\n", 2)
+    for token in ("old-token", "new-token"):
+        check_metadata((("authorization", f"Bearer {token}"),), source)
+        check_header(f"Bearer {token}", source)
+    _secret_volume(tmp_path, "new-token\n", 3)
+    check_metadata((("authorization", "Bearer new-token"),), source)
+    with pytest.raises(Unauthenticated, match="invalid"):
+        check_header("Bearer old-token", source)
+
+
+def test_token_file_rewritten_in_place_is_read_again(tmp_path):
+    import os
+
+    path = tmp_path / "tokens"
+    path.write_text("first-token")
+    source = auth_token(ServerConfig(auth_token_file=str(path)), {})
+    assert source.current() == ("first-token",)
+    path.write_text("second-token")  # same inode; another size and mtime
+    os.utime(path, ns=(1, 1))  # a distinct mtime even on a coarse clock
+    assert source.current() == ("second-token",)
+
+
+def test_token_file_is_read_once_per_change(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    path = tmp_path / "tokens"
+    path.write_text("a-token")
+    source = auth_token(ServerConfig(auth_token_file=str(path)), {})
+    reads = []
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: reads.append(self) or real(self, *a, **k))
+    for _ in range(5):
+        check_header("Bearer a-token", source)
+    assert reads == [path]  # then a stat per request only
+
+
+def test_missing_token_file_refuses_every_request_but_the_environments(tmp_path):
+    path = tmp_path / "absent"
+    source = auth_token(ServerConfig(auth_token_file=str(path)), {})
+    assert source is not None and source.current() == ()  # auth stays on: fail closed
+    with pytest.raises(Unauthenticated, match="no bearer token is accepted now"):
+        check_header("Bearer anything", source)
+    with_env = auth_token(ServerConfig(auth_token_file=str(path)), {"SPECINFER_AUTH_TOKEN": TOKEN})
+    check_header(f"Bearer {TOKEN}", with_env)
+    path.write_text("late-token\n")
+    assert with_env.current() == (TOKEN, "late-token")
+    with pytest.raises(Unauthenticated, match="missing"):
+        check_header(None, with_env)
+
+
+def test_any_of_several_tokens_matches_and_all_are_compared(monkeypatch):
+    import hmac
+
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append(b) or real(a, b))
+    assert authorized("Bearer second", ("first", "second", "third"))
+    assert calls == [b"first", b"second", b"third"]  # no early exit on the match
+    assert not authorized("Bearer fourth", ("first", "second", "third"))
+    assert not authorized("Bearer first", ())
 
 
 @pytest.mark.parametrize("header,ok", [
@@ -115,13 +204,23 @@ def test_pickled_weights_are_refused(tmp_path):
 # --- served -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def auth_app(serving, tiny_args):  # noqa: F811
-    """The tiny app again as ``specinfer-auth`` with SPECINFER_AUTH_TOKEN set in its replica."""
+def token_dir(tmp_path_factory):
+    """The replica's token file, laid out as a mounted Kubernetes Secret (rewritten by the rotation test)."""
+    path = tmp_path_factory.mktemp("auth-secret")
+    _secret_volume(path, "file-token-1\n", 0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def auth_app(serving, tiny_args, token_dir):  # noqa: F811
+    """The tiny app again as ``specinfer-auth`` with SPECINFER_AUTH_TOKEN set in its replica and a
+    token file (server.auth_token_file) beside it."""
     from ray import serve
 
     from cluster.serve_app import SpecInferIngress
 
-    config = EngineConfig.model_validate(tiny_args)
+    server = {**tiny_args.get("server", {}), "auth_token_file": str(token_dir / "tokens")}
+    config = EngineConfig.model_validate({**tiny_args, "server": server})
     env = {"runtime_env": {"env_vars": {"SPECINFER_AUTH_TOKEN": TOKEN}}, "num_cpus": 0.1}
     serve.run(SpecInferIngress.options(ray_actor_options=env).bind(config), name=AUTH_APP, route_prefix=AUTH_PREFIX,
               blocking=False)
@@ -169,6 +268,19 @@ def test_grpc_health_is_exempt_and_the_shared_app_is_open(auth_app):
         assert len(client.generate(build_request("hi", max_new_tokens=2), timeout=60).token_ids) == 2
     with Client(auth_app, application=AUTH_APP, token=TOKEN) as client:  # `specinfer client` and the benches
         assert len(client.generate(build_request("hi", max_new_tokens=2), timeout=60).token_ids) == 2
+
+
+@pytest.mark.ray
+def test_served_token_file_rotates_without_a_restart(auth_app, token_dir):
+    """The running replica follows its token file: a rotated token is accepted and the dropped one
+    refused on the next request, while the environment's token keeps working."""
+    bearer = lambda token: (("authorization", f"Bearer {token}"),)  # noqa: E731
+    assert grpc_code(auth_app, bearer("file-token-1"), streaming=False) == "OK"
+    assert grpc_code(auth_app, bearer("file-token-2"), streaming=False) == "UNAUTHENTICATED"
+    _secret_volume(token_dir, "file-token-2\n", 1)
+    assert grpc_code(auth_app, bearer("file-token-2"), streaming=True) == "OK"
+    assert grpc_code(auth_app, bearer("file-token-1"), streaming=False) == "UNAUTHENTICATED"
+    assert grpc_code(auth_app, bearer(TOKEN), streaming=False) == "OK"
 
 
 def http(url: str, body: dict | None = None, token: str | None = None) -> tuple[int, dict, dict]:

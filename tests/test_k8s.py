@@ -537,12 +537,11 @@ def test_gpus_only_on_workers_and_enough_for_one_pipeline():
     assert gpus >= math.ceil(k8s.gpus_per_pipeline(engine)) >= 2  # 1 (verifier) + 0.25 (SSM)
 
 
-def test_model_volume_is_the_pvc_and_filled_by_the_fetch_init_container():
-    pvc = yaml.safe_load(PVC.read_text())
+def test_model_volume_is_per_pod_and_filled_by_the_fetch_init_container():
     (worker,) = load_rayservice()["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     spec = worker["template"]["spec"]
     (volume,) = [v for v in spec["volumes"] if v["name"] == "models"]
-    assert volume["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    assert volume == {"name": "models", "emptyDir": {"sizeLimit": "20Gi"}}
     (init,) = spec["initContainers"]
     assert init["command"][:5] == ["specinfer", "models", "fetch", "--cache-dir", "/models"]
     assert set(init["command"][5:]) == {"qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"}
@@ -822,6 +821,29 @@ def _models(**changes):
     return lambda o: o["kubernetes"]["models"].update(changes)
 
 
+def _claim(**changes):
+    """The model volume as the PVC of k8s/models-pvc.yaml (ReadWriteOnce unless changed)."""
+    return _models(volume="claim", **changes)
+
+
+def _worker(**changes):
+    return lambda o: o["kubernetes"]["worker"].update(changes)
+
+
+def _ingress(**options):
+    """The SpecInferIngress deployment's options in the overlay's serve section (replacing the committed ones)."""
+    return lambda o: o["serve"]["applications"]["specinfer"].update(
+        deployments=[{"name": k8s.INGRESS_DEPLOYMENT, **options}])
+
+
+def _server(**changes):
+    return lambda o: _args(o).setdefault("server", {}).update(changes)
+
+
+def _all(*changes):
+    return lambda o: [change(o) for change in changes]
+
+
 @pytest.mark.parametrize("case, change, message", [
     ("one GPU is not enough", lambda o: o["kubernetes"]["worker"].update(gpus=1), "worker.gpus"),
     ("verifier on CPU", lambda o: _args(o)["verifier"]["actor"].update(num_gpus=0),
@@ -835,24 +857,45 @@ def _models(**changes):
     ("unknown overlay field", lambda o: o["kubernetes"].update(replicas=2), "replicas"),
     ("unknown engine field", lambda o: _args(o).update(gpu=True), "gpu"),
     ("unknown application", lambda o: o["serve"]["applications"].update(other={"args": {}}), "other"),
-    ("replicas out of bounds", lambda o: o["kubernetes"]["worker"].update(replicas=2), "max_replicas"),
+    ("replicas out of bounds", _worker(replicas=3), "min_replicas <= replicas <= max_replicas, got 1 <= 3 <= 2"),
+    ("max_replicas pipelines beyond the worker group", _all(_ingress(autoscaling_config={"max_replicas": 3}),
+                                                            _worker(max_replicas=2)),
+     "3 ingress replicas (SpecInferIngress autoscaling_config.max_replicas) need 3 pipelines; worker.max_replicas "
+     "2 pods of 2 GPUs hold 2 (1 each): raise worker.max_replicas to 3"),
+    ("num_replicas beyond the worker group", _all(_ingress(num_replicas=2), _worker(max_replicas=1)),
+     "2 ingress replicas (SpecInferIngress num_replicas) need 2 pipelines"),
+    ("num_replicas auto takes Serve's max 100", _all(_ingress(num_replicas="auto"), _worker(max_replicas=4)),
+     "100 ingress replicas (SpecInferIngress autoscaling_config.max_replicas)"),
+    ("num_replicas and autoscaling_config", _ingress(num_replicas=2, autoscaling_config={"max_replicas": 2}),
+     "Manually setting num_replicas is not allowed"),
+    ("two worker pods on a ReadWriteOnce claim", _claim(), "is ReadWriteOnce: a pod on a second node never starts "
+                                                           "(multi-attach error)"),
+    ("two fixed replicas on a ReadWriteOncePod claim", _all(_claim(access_mode="ReadWriteOncePod"),
+                                                            _ingress(num_replicas=2)), "ReadWriteOncePod: a pod"),
+    ("per-pod volume without the fetch", _models(fetch=False), "volume per_pod is an empty directory"),
+    ("image not pinned", _kube(image="ghcr.io/specinfer/specinfer"), "is not pinned"),
+    ("image latest", _kube(image="ghcr.io/specinfer/specinfer:latest"), "is not pinned"),
+    ("image digest too short", _kube(image="ghcr.io/specinfer/specinfer@sha256:abc123"), "not an image reference"),
+    ("image digest upper case", _kube(image="ghcr.io/specinfer/specinfer@sha256:" + "A" * 64),
+     "not an image reference"),
+    ("ray auth secret not a name", _kube(ray_auth={"secret": "Ray_Token"}), "ray_auth.secret"),
     ("unfetchable source",
      lambda o: _args(o).update(target={"name": "t", "source": "org/model"}),
      "models.fetch: false"),
-    ("NewCluster on a ReadWriteOnce volume", _kube(upgrade_strategy="NewCluster"), "ReadWriteOnce"),
+    ("NewCluster on a ReadWriteOnce volume", _all(_kube(upgrade_strategy="NewCluster"), _claim()),
+     "access_mode is ReadWriteOnce: a worker on another node never starts"),
     ("NewCluster on a ReadWriteOncePod volume",
-     lambda o: (_kube(upgrade_strategy="NewCluster")(o), _models(access_mode="ReadWriteOncePod")(o)),
-     "ReadWriteOncePod"),
+     _all(_kube(upgrade_strategy="NewCluster"), _claim(access_mode="ReadWriteOncePod")), "ReadWriteOncePod"),
     ("incremental upgrade not offered", _kube(upgrade_strategy="NewClusterWithIncrementalUpgrade"), "NewCluster"),
     ("upgrade strategy misspelt", _kube(upgrade_strategy="Recreate"), "upgrade_strategy"),
-    ("fetch into a read-only volume", _models(access_mode="ReadOnlyMany"), "fetch: false"),
+    ("fetch into a read-only volume", _claim(access_mode="ReadOnlyMany"), "fetch: false"),
     ("pull secret not a name", _kube(image_pull_secrets=["Reg Cred"]), "image_pull_secrets"),
     ("pull secret twice", _kube(image_pull_secrets=["regcred", "regcred"]), "twice"),
     ("GCS FT without an address", _kube(gcs_fault_tolerance={"redis_password": {"secret": "r", "key": "p"}}),
      "redis_address"),
     ("auth secret not a name", _kube(auth={"secret": "My_Secret"}), "auth.secret"),
-    ("auth secret in a variable the server does not read",
-     lambda o: _args(o).setdefault("server", {}).update(auth_token_env="OTHER_TOKEN"), "server.auth_token_env"),
+    ("auth token file where the Secret is not", _server(auth_token_file="/var/run/tokens"),
+     "the Secret is mounted at /etc/specinfer/auth/tokens, but server.auth_token_file is '/var/run/tokens'"),
 ])
 def test_render_refuses(case, change, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -860,12 +903,10 @@ def test_render_refuses(case, change, message):
 
 
 def test_render_without_fetch_mounts_a_prefilled_volume():
-    serve_config, overlay = read_yaml(ROOT / "configs" / "serve.yaml"), read_yaml(OVERLAY)
-    overlay["kubernetes"]["models"]["fetch"] = False
-    _, service = k8s.render_manifest(serve_config, overlay)
+    service = _render_with(_all(_claim(fetch=False, access_mode="ReadOnlyMany")))
     spec = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
     assert "initContainers" not in spec
-    assert spec["volumes"][0]["persistentVolumeClaim"]["readOnly"] is True
+    assert spec["volumes"][0]["persistentVolumeClaim"] == {"claimName": "specinfer-models", "readOnly": True}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -877,16 +918,27 @@ POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 100, "fsG
 CONTAINER_SECURITY = {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
                       "seccompProfile": {"type": "RuntimeDefault"}}
 REDIS = {"redis_address": "redis.specinfer.svc:6379"}
+DIGEST = "sha256:" + "0123456789abcdef" * 4
 VARIANTS = {
     "committed overlay": lambda o: None,
-    "NewCluster on ReadWriteMany": lambda o: (_kube(upgrade_strategy="NewCluster")(o),
-                                              _models(access_mode="ReadWriteMany")(o)),
-    "NewCluster on a pre-filled ReadOnlyMany": lambda o: (_kube(upgrade_strategy="NewCluster")(o),
-                                                          _models(access_mode="ReadOnlyMany", fetch=False)(o)),
+    "one pod on a ReadWriteOnce claim": _all(_claim(), _ingress(num_replicas=1)),
+    "None on a per-pod volume": _kube(upgrade_strategy="None"),
+    "NewCluster on ReadWriteMany": _all(_kube(upgrade_strategy="NewCluster"), _claim(access_mode="ReadWriteMany")),
+    "auto on a pre-filled ReadOnlyMany": _claim(access_mode="ReadOnlyMany", fetch=False),
+    "num_replicas auto, 2 pipelines a pod": _all(_ingress(num_replicas="auto", autoscaling_config={
+        "min_replicas": 2, "max_replicas": 5, "initial_replicas": 3}), _worker(gpus=3)),
+    "scale to zero": _ingress(autoscaling_config={"min_replicas": 0, "max_replicas": 3}),
+    "fixed 2 replicas": _ingress(num_replicas=2),
+    "no deployment options": lambda o: o["serve"]["applications"]["specinfer"].pop("deployments"),
+    "longer drain and TTL": _server(drain_timeout_s=100, request_ttl_s=1000.5),
+    "image by digest": _kube(image=f"ghcr.io/specinfer/specinfer@{DIGEST}"),
+    "image by tag and digest": _kube(image=f"registry.example.com:5000/ml/specinfer:0.1.0@{DIGEST}"),
     "image pull secrets": _kube(image_pull_secrets=["regcred", "mirror"]),
     "GCS FT": _kube(gcs_fault_tolerance=REDIS),
     "GCS FT with a password": _kube(gcs_fault_tolerance={**REDIS, "redis_password": {"secret": "redis", "key": "pw"}}),
     "no auth": _kube(auth=None),
+    "Ray auth with own Secret": _kube(ray_auth={"secret": "specinfer-ray-token"}),
+    "no Ray auth": _kube(ray_auth=None),
 }
 
 
@@ -905,17 +957,58 @@ def test_variant_passes_crd_and_kubernetes_validation(variant, variants, rayserv
 
 
 @pytest.mark.parametrize("variant, expected", [
-    ("committed overlay", "None"), ("NewCluster on ReadWriteMany", "NewCluster"),
-    ("NewCluster on a pre-filled ReadOnlyMany", "NewCluster"),
+    ("committed overlay", "NewCluster"), ("one pod on a ReadWriteOnce claim", "None"),
+    ("None on a per-pod volume", "None"), ("NewCluster on ReadWriteMany", "NewCluster"),
+    ("auto on a pre-filled ReadOnlyMany", "NewCluster"),
 ])
 def test_upgrade_strategy_is_rendered(variant, expected, variants):
     assert variants[variant]["spec"]["upgradeStrategy"] == {"type": expected}
 
 
-def test_committed_upgrade_strategy_is_quoted_and_matches_the_volume():
-    assert 'type: "None"' in RAYSERVICE.read_text()  # a string, not YAML null
+def _rendered(change) -> k8s.Rendered:
+    serve_config, overlay = read_yaml(ROOT / "configs" / "serve.yaml"), read_yaml(OVERLAY)
+    change(overlay)
+    return k8s.render_all(serve_config, overlay)
+
+
+@pytest.mark.parametrize("variant, note", [
+    ("committed overlay", "upgradeStrategy NewCluster (zero downtime): an upgrade starts a second cluster with 1 "
+                          "worker pods (2 GPUs) beside this one"),
+    ("one pod on a ReadWriteOnce claim", "upgradeStrategy None, not NewCluster: the model claim 'specinfer-models' "
+                                         "is ReadWriteOnce, which a second cluster's workers cannot mount"),
+    ("None on a per-pod volume", "upgradeStrategy None (set in the overlay): a change under rayClusterConfig is not "
+                                 "rolled out"),
+])
+def test_render_says_what_the_upgrade_strategy_means(variant, note):
+    rendered = _rendered(VARIANTS[variant])
+    (said,) = [n for n in rendered.notes if n.startswith("upgradeStrategy")]
+    assert said.startswith(note)
+    assert f"# Note: {said}.\n" in rendered.text.split("---\n", 1)[0]  # in the manifest's header too
+
+
+def test_render_cli_prints_the_notes(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    overlay = read_yaml(OVERLAY)
+    VARIANTS["one pod on a ReadWriteOnce claim"](overlay)
+    (tmp_path / "overlay.yaml").write_text(yaml.safe_dump(overlay))
+    assert _render_cli(["k8s", "render", "--overlay", str(tmp_path / "overlay.yaml"), "--out", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert "note: upgradeStrategy None, not NewCluster: the model claim 'specinfer-models' is ReadWriteOnce" in err
+    assert "note: worker pods: 1 for 1-1 ingress replicas" in err
+    assert yaml.safe_load(out.split("---\n", 1)[1])["spec"]["upgradeStrategy"] == {"type": "None"}
+
+
+def test_committed_upgrade_strategy_is_quoted_and_the_claim_matches_its_pvc():
+    assert 'type: "None"' in k8s.render_manifest(read_yaml(ROOT / "configs" / "serve.yaml"),
+                                                 _overlay_with(VARIANTS["one pod on a ReadWriteOnce claim"]))[0]
     overlay = k8s.Overlay.model_validate(read_yaml(OVERLAY))
     assert yaml.safe_load(PVC.read_text())["spec"]["accessModes"] == [overlay.kubernetes.models.access_mode]
+
+
+def _overlay_with(change) -> dict:
+    overlay = read_yaml(OVERLAY)
+    change(overlay)
+    return overlay
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -953,8 +1046,265 @@ def test_gcs_fault_tolerance_renders_when_enabled(variant, options, variants):
 
 
 @pytest.mark.parametrize("variant, wired", [("committed overlay", True), ("no auth", False)])
-def test_auth_token_is_wired_from_the_secret(variant, wired, variants):
-    token = {"name": "SPECINFER_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": "specinfer-auth", "key": "token"}}}
-    for container in all_containers(variants[variant]):
-        on_ray_container = container["name"] != "fetch-models"
-        assert (token in container["env"]) == (wired and on_ray_container), container["name"]
+def test_auth_tokens_are_a_mounted_secret_file(variant, wired, variants):
+    rayservice = variants[variant]
+    (worker,) = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    spec = worker["template"]["spec"]
+    volume = {"name": "auth-tokens", "secret": {"secretName": "specinfer-auth",
+                                                "items": [{"key": "token", "path": "tokens"}]}}
+    mount = {"name": "auth-tokens", "mountPath": "/etc/specinfer/auth", "readOnly": True}  # a directory: updated live
+    assert (volume in spec["volumes"]) == wired
+    assert (mount in spec["containers"][0]["volumeMounts"]) == wired
+    server = engine_section(serve_config_v2(rayservice))["server"]
+    assert server.get("auth_token_file") == ("/etc/specinfer/auth/tokens" if wired else None)
+    for container in all_containers(rayservice):  # no token in an environment variable (it could not rotate)
+        assert all(e["name"] != "SPECINFER_AUTH_TOKEN" and "valueFrom" not in e for e in container["env"])
+        assert "subPath" not in str(container.get("volumeMounts")), container["name"]
+
+
+@pytest.mark.parametrize("variant, options", [
+    ("committed overlay", {"mode": "token"}),
+    ("Ray auth with own Secret", {"mode": "token", "secretName": "specinfer-ray-token"}),
+    ("no Ray auth", None),
+])
+def test_ray_token_auth_is_on_by_default(variant, options, variants, raycluster_spec_schema):
+    cluster = variants[variant]["spec"]["rayClusterConfig"]
+    assert cluster.get("authOptions") == options
+    assert crd_errors(cluster, raycluster_spec_schema) == []  # authOptions is in the KubeRay 1.7 RayCluster CRD
+    # KubeRay needs Ray >= 2.52.0 for mode token (ValidateRayClusterSpec, utils/validation.go)
+    assert tuple(int(p) for p in cluster["rayVersion"].split(".")) >= (2, 52, 0)
+
+
+@pytest.mark.parametrize("variant, image", [
+    ("image by digest", f"ghcr.io/specinfer/specinfer@{DIGEST}"),
+    ("image by tag and digest", f"registry.example.com:5000/ml/specinfer:0.1.0@{DIGEST}"),
+])
+def test_image_digests_render_into_every_container(variant, image, variants):
+    assert {c["image"] for c in all_containers(variants[variant])} == {image}
+
+
+# ---------------------------------------------------------------------------------------------
+# Scaling: Serve's autoscaling_config -> worker pod bounds and KubeRay's in-tree autoscaler
+
+
+@pytest.mark.parametrize("variant, pods, scaler", [
+    ("committed overlay", (1, 1, 2), True),  # min 1, max 2 replicas; one 1.25-GPU pipeline per 2-GPU pod
+    ("num_replicas auto, 2 pipelines a pod", (2, 1, 3), True),  # 3 GPUs hold 2 pipelines: 3/2 start, 2/2, 5/2 pods
+    ("scale to zero", (0, 0, 3), True),
+    ("fixed 2 replicas", (2, 2, 2), False),
+    ("no deployment options", (1, 1, 1), False),  # Serve's default: one replica
+    ("one pod on a ReadWriteOnce claim", (1, 1, 1), False),
+])
+def test_worker_bounds_follow_the_ingress_replicas(variant, pods, scaler, variants):
+    cluster = variants[variant]["spec"]["rayClusterConfig"]
+    (worker,) = cluster["workerGroupSpecs"]
+    assert (worker["replicas"], worker["minReplicas"], worker["maxReplicas"]) == pods
+    assert cluster["enableInTreeAutoscaling"] is scaler
+    assert ("autoscalerOptions" in cluster) is scaler
+
+
+def test_autoscaler_sidecar_is_restricted_and_sized(variants):
+    options = variants["committed overlay"]["spec"]["rayClusterConfig"]["autoscalerOptions"]
+    assert options["upscalingMode"] == "Default" and options["idleTimeoutSeconds"] == 60
+    assert CONTAINER_SECURITY.items() <= options["securityContext"].items()
+    assert options["resources"]["requests"] == options["resources"]["limits"] == {"cpu": "500m", "memory": "512Mi"}
+
+
+def test_serve_keeps_its_own_autoscaling_keys():
+    """serveConfigV2 carries Serve's autoscaling_config as written: Serve, not render, scales the replicas."""
+    deployments = yaml.safe_load(load_rayservice()["spec"]["serveConfigV2"])["applications"][0]["deployments"]
+    assert deployments == [{"name": "SpecInferIngress", "num_replicas": "auto", "autoscaling_config": {
+        "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8}}]
+
+
+@pytest.mark.parametrize("deployment, expected", [
+    ({}, (1, 1, 1, False)),
+    ({"num_replicas": 3}, (3, 3, 3, False)),
+    ({"num_replicas": "auto"}, (1, 1, 100, True)),  # Serve's defaults for auto (AutoscalingConfig.default())
+    ({"num_replicas": "auto", "autoscaling_config": {"max_replicas": 4}}, (1, 1, 4, True)),
+    ({"autoscaling_config": {"min_replicas": 2, "max_replicas": 6, "initial_replicas": 4}}, (2, 4, 6, True)),
+    ({"num_replicas": None, "autoscaling_config": {"max_replicas": 3}}, (1, 1, 3, True)),
+])
+def test_ingress_scaling_resolves_like_serve(deployment, expected):
+    config = {"applications": [{"name": "specinfer",
+                                "deployments": [{"name": "SpecInferIngress", **deployment}] if deployment else []}]}
+    scaling = k8s.ingress_scaling(config)
+    assert (scaling.min_replicas, scaling.initial_replicas, scaling.max_replicas, scaling.autoscaling) == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# Shutdown: preStop drain, grace period, old-cluster deletion delay
+
+
+@pytest.mark.parametrize("variant, drain, ttl", [("committed overlay", 30, 600), ("longer drain and TTL", 100, 1000.5)])
+def test_shutdown_times_derive_from_the_server_config(variant, drain, ttl, variants):
+    rayservice = variants[variant]
+    server = EngineConfig.model_validate(engine_section(serve_config_v2(rayservice))).server
+    assert (server.drain_timeout_s, server.request_ttl_s) == (drain, ttl)
+    (worker,) = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    spec = worker["template"]["spec"]
+    # grace = drain_timeout_s + 15 s for the node to stop after the drain + 15 s for SIGTERM to stop Ray
+    assert spec["terminationGracePeriodSeconds"] == math.ceil(drain) + 30
+    (container,) = spec["containers"]
+    command = ["specinfer", "k8s", "drain-node", "--deadline-s", str(drain), "--wait-s", str(drain + 15)]
+    assert container["lifecycle"] == {"preStop": {"exec": {"command": command}}}
+    # Ray's own SIGTERM drain gets what is left of the grace period (10 s < the 15 s margin)
+    assert {"name": "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "value": "10"} in container["env"]
+    # the old cluster of an upgrade outlives the longest request by 30 s
+    assert rayservice["spec"]["rayClusterDeletionDelaySeconds"] == math.ceil(ttl) + 30
+    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert "lifecycle" not in head["containers"][0]  # no replica runs on the head (num-cpus 0)
+
+
+def test_prestop_command_is_the_cli(monkeypatch):
+    """The preStop command parses as `specinfer k8s drain-node` and reaches its handler."""
+    from cluster import cli, k8s_drain
+
+    (worker,) = load_rayservice()["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    command = worker["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "specinfer"
+    called = []
+    monkeypatch.setattr(k8s_drain, "run_drain_node", lambda args: called.append(args) or 0)
+    assert cli.main(command[1:]) == 0
+    assert (called[0].deadline_s, called[0].wait_s) == (30.0, 45.0)
+
+
+class FakeGcs:
+    """A GCS with this pod's node (10.0.0.7) and another; the node dies ``dies_after`` polls after the drain."""
+
+    def __init__(self, dies_after: int | None, accept: bool = True):
+        from types import SimpleNamespace
+
+        self.nodes = {b"\x01" * 28: SimpleNamespace(node_id=b"\x01" * 28, node_manager_address="10.0.0.7", state=0),
+                      b"\x02" * 28: SimpleNamespace(node_id=b"\x02" * 28, node_manager_address="10.0.0.9", state=0)}
+        self.dies_after, self.accept, self.drains, self.polls = dies_after, accept, [], 0
+
+    def get_all_node_info(self, timeout=None):
+        if self.drains:
+            self.polls += 1
+            if self.dies_after is not None and self.polls > self.dies_after:
+                self.nodes[b"\x01" * 28].state = 1  # DEAD
+        return self.nodes
+
+    def drain_node(self, node_id, reason, reason_message, deadline_timestamp_ms, timeout=None):
+        self.drains.append((node_id, reason, deadline_timestamp_ms))
+        return (True, "") if self.accept else (False, "not idle")
+
+
+@pytest.mark.parametrize("dies_after, expected", [(3, "drained and stopped after 3 s"),
+                                                  (None, "still alive after 45 s: stopping it anyway")])
+def test_drain_node_drains_this_node_and_waits_for_it(dies_after, expected):
+    from cluster.k8s_drain import drain_node
+
+    gcs, now = FakeGcs(dies_after), [1000.0]
+    message = drain_node(gcs, "10.0.0.7", 30, 45, reason=2, clock=lambda: now[0],
+                         sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert message == f"node {'01' * 28} {expected}"
+    # one drain, of this node, by its hex id (a binary id would be the nil node), with the deadline 30 s away
+    assert gcs.drains == [("01" * 28, 2, 1_030_000)]
+
+
+def test_drain_node_refusals_are_reported():
+    from cluster.k8s_drain import drain_node
+
+    assert drain_node(FakeGcs(0, accept=False), "10.0.0.7", 30, 45, 2) == f"drain of node {'01' * 28} refused: not idle"
+    with pytest.raises(LookupError, match="0 live Ray nodes at 10.9.9.9"):
+        drain_node(FakeGcs(0), "10.9.9.9", 30, 45, 2)
+
+
+REAL_DRAIN = """
+import os, socket, sys, threading, time
+import ray
+from ray.cluster_utils import Cluster
+from ray._raylet import GcsClient
+from ray.core.generated import autoscaler_pb2
+from cluster.k8s_drain import drain_node
+
+def port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def node_args(**more):
+    return {"node_ip_address": "127.0.0.1", "dashboard_agent_listen_port": port(), "metrics_export_port": port(),
+            **more}
+
+cluster = Cluster(initialize_head=True, head_node_args=node_args(num_cpus=1, gcs_server_port=port(),
+                                                                 include_dashboard=False, temp_dir=sys.argv[1]))
+try:
+    worker = cluster.add_node(**node_args(num_cpus=1, resources={"pipeline": 1}))
+    ray.init(address=cluster.address)
+
+    @ray.remote(num_cpus=0.5, resources={"pipeline": 1})
+    class Replica:
+        def node(self):
+            return ray.get_runtime_context().get_node_id()
+
+    replica = Replica.remote()
+    assert ray.get(replica.node.remote()) == worker.node_id
+    gcs = GcsClient(address=cluster.address)
+
+    class ThisPod:  # both nodes are 127.0.0.1 here: the hook sees the worker only, as one pod's IP shows it
+        def get_all_node_info(self, timeout=None):
+            return {k: v for k, v in gcs.get_all_node_info(timeout=timeout).items() if not v.is_head_node}
+
+        def drain_node(self, *args, **kwargs):
+            return gcs.drain_node(*args, **kwargs)
+
+    said = []
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    hook = threading.Thread(target=lambda: said.append(drain_node(ThisPod(), "127.0.0.1", 30, 60, reason)))
+    hook.start()
+    deadline = time.time() + 20
+    while worker.node_id not in gcs.get_draining_nodes() and time.time() < deadline:
+        time.sleep(0.2)
+    print("draining:", worker.node_id in gcs.get_draining_nodes(), "waiting:", hook.is_alive(), flush=True)
+    ray.kill(replica)  # what Serve does to a replica on a draining node once its requests are done
+    hook.join(60)
+    print("hook:", said[0] if said else "still running")
+finally:
+    ray.shutdown()
+    cluster.shutdown()
+"""
+
+
+@pytest.mark.ray
+def test_drain_node_on_a_real_cluster(tmp_path):
+    """The hook against Ray 2.60 itself (a head and a worker node, in a subprocess): the GCS marks the
+    node draining (so the id went in the form it decodes), the hook waits while an actor holds the
+    node, and returns once the raylet, drained and idle, has exited by itself."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="drain-", dir="/tmp")  # short: Ray's socket paths live under it
+    os.makedirs(os.path.join(ray_tmp, "ray"))
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": ray_tmp, "PYTHONPATH": str(ROOT)}
+    try:
+        result = subprocess.run([sys.executable, "-c", REAL_DRAIN, ray_tmp], cwd=ROOT, env=env, capture_output=True,
+                                text=True, timeout=300)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "draining: True waiting: True" in lines, result.stdout
+    (hook,) = [line for line in lines if line.startswith("hook:")]
+    assert re.fullmatch(r"hook: node [0-9a-f]{56} drained and stopped after \d+ s", hook), hook
+
+
+def test_drain_node_without_a_gcs_exits_at_once(monkeypatch, capsys):
+    """The whole cluster is going (its head too): the hook must not hold the pod for the grace period."""
+    from cluster import cli
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert cli.main(["k8s", "drain-node", "--deadline-s", "30", "--wait-s", "45"]) == 1
+    assert "no --address and no $RAY_ADDRESS; nothing drained" in capsys.readouterr().out
+
+
+def test_minimum_kuberay_version_is_stated_with_its_reason():
+    header = RAYSERVICE.read_text().split("---\n", 1)[0]
+    assert "# Needs KubeRay >= 1.6: older operators build <name>-serve-svc from the head port named \"serve\"" in header
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    assert "KubeRay 1.6 or newer" in docs and "isServingPort" in docs
