@@ -390,7 +390,7 @@ def test_serve_config_v2_is_a_valid_engine_config():
     assert k8s.validate_serve_config(serve_config) == engine  # also Ray Serve's ServeDeploySchema
     overlay = k8s.Overlay.model_validate(read_yaml(OVERLAY))
     assert engine.models_dir == overlay.kubernetes.models.mount_path == "/models"
-    assert engine.verifier.actor.num_gpus == 1 and 0 < engine.server.ssm_actor.num_gpus < 1
+    assert engine.verifier.actor.num_gpus + engine.server.ssm_actor.num_gpus == 1  # they share one GPU
     assert engine.verifier.tensor_parallel_size == 1
     base = read_yaml(ROOT / "configs" / "serve.yaml")
     assert serve_config["grpc_options"]["grpc_servicer_functions"] == base["grpc_options"]["grpc_servicer_functions"]
@@ -471,7 +471,8 @@ def test_kuberay_keeps_every_serve_service_port():
     port of that name, and takes only names "serve" or "serve-*" (isServingPort)."""
     rayservice = load_rayservice()
     head_ports = {p["name"]: p["containerPort"] for p in containers(rayservice)["head"]["ports"]}
-    assert head_ports == {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": 8000, "serve-grpc": 9000}
+    assert head_ports == {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": 8000, "serve-grpc": 9000,
+                          "metrics": 8080}  # "metrics" is not a serving port: it stays off the serve Service
     serving = {name: port for name, port in head_ports.items() if name == "serve" or name.startswith("serve-")}
     assert {p["name"]: p["port"] for p in rayservice["spec"]["serveService"]["spec"]["ports"]} == serving
     for name, container in containers(rayservice).items():  # the targetPorts resolve on every serving pod
@@ -534,7 +535,7 @@ def test_gpus_only_on_workers_and_enough_for_one_pipeline():
     engine = EngineConfig.model_validate(engine_section(serve_config_v2(rayservice)))
     (worker,) = cluster["workerGroupSpecs"]
     gpus = int(worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
-    assert gpus >= math.ceil(k8s.gpus_per_pipeline(engine)) >= 2  # 1 (verifier) + 0.25 (SSM)
+    assert gpus == math.ceil(k8s.gpus_per_pipeline(engine)) == k8s.gpus_per_pipeline(engine) == 1  # all used
 
 
 def test_model_volume_is_the_pvc_and_filled_by_the_fetch_init_container():
@@ -823,10 +824,10 @@ def _models(**changes):
 
 
 @pytest.mark.parametrize("case, change, message", [
-    ("one GPU is not enough", lambda o: o["kubernetes"]["worker"].update(gpus=1), "worker.gpus"),
+    ("1.25 GPUs do not fit in one", lambda o: _args(o)["verifier"]["actor"].update(num_gpus=1), "worker.gpus"),
     ("verifier on CPU", lambda o: _args(o)["verifier"]["actor"].update(num_gpus=0),
      "num_gpus"),
-    ("tensor parallel 2 needs 3 GPUs",
+    ("tensor parallel 2 needs 2 GPUs",
      lambda o: (_args(o)["verifier"].update(tensor_parallel_size=2),
                 _args(o).setdefault("server", {}).update(batching={"enabled": False})), "worker.gpus"),
     ("models_dir off the volume", lambda o: _args(o).update(models_dir="/data"),
