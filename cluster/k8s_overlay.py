@@ -71,6 +71,7 @@ class HeadGroup(Strict):
 
     cpu: Quantity = "2"
     memory: Quantity = "8Gi"
+    ephemeral_storage: Quantity = "10Gi"  # requested: Ray's session logs under /tmp/ray
 
 
 class WorkerGroup(Strict):
@@ -89,6 +90,11 @@ class WorkerGroup(Strict):
     gpus: int = Field(default=1, ge=0)
     gpu_resource: str = "nvidia.com/gpu"
     tolerate_gpu_taint: bool = True  # GPU node pools are commonly tainted <gpu_resource>:NoSchedule
+    # requested: Ray's logs and object spilling under /tmp/ray, torch/Triton/DeepSpeed caches
+    ephemeral_storage: Quantity = "20Gi"
+    # the pod's nodeSelector: which accelerator to land on, e.g. {nvidia.com/gpu.product: NVIDIA-L4} (NVIDIA
+    # GPU feature discovery) or {cloud.google.com/gke-accelerator: nvidia-l4} (GKE); empty: any GPU node
+    node_selector: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _bounds(self) -> "WorkerGroup":

@@ -1,8 +1,8 @@
 """The RayCluster's pod groups for `specinfer k8s render`: containers, security contexts, volumes.
 
-Every pod runs as the image's user ``ray`` (uid 1000, group ``users`` = 100: ``useradd ... --uid
-$RAY_UID --gid $RAY_GID`` with ``RAY_UID=1000 RAY_GID=100`` in ray-project/ray's
-docker/base-deps/Dockerfile, ``USER $RAY_UID``), never as root, with no privilege escalation,
+Every pod runs as the image's user ``ray`` (uid 1000, group ``users`` = 100: ``useradd --uid 1000
+--gid 100`` and ``USER 1000:100`` in the Dockerfile's final stage, the ids of ray-project/ray's
+images too), never as root, with no privilege escalation,
 no capabilities and the runtime's default seccomp profile: the Pod Security Standards'
 "restricted" level. KubeRay copies the Ray container's securityContext into the init container it
 injects into worker pods (``wait-gcs-ready``; ray-operator/controllers/ray/common/pod.go in v1.7.0).
@@ -20,11 +20,14 @@ from .k8s_overlay import KubernetesOverlay
 SERVE_PORT = 8000  # Serve's HTTP proxy: KubeRay's readiness probe checks /-/healthz on the port named "serve"
 GRPC_PORT = 9000  # Serve's gRPC proxy: specinfer.v1.SpecInfer
 DASHBOARD_PORT = 8265  # Ray dashboard and job submission: cluster-internal only (k8s/networkpolicy.yaml)
+# Ray's metrics export port, KubeRay's default name and number (utils.MetricsPortName / DefaultMetricsPort in
+# v1.7.0; it adds the port when missing): declared here so that k8s/podmonitor.yaml's `metrics` is in the manifest.
+METRICS_PORT, METRICS_PORT_NAME = 8080, "metrics"
 # KubeRay's <name>-serve-svc takes the head container ports named "serve" or "serve-*"
 # (isServingPort in ray-operator/controllers/ray/common/service.go, v1.7.0).
 SERVE_PORT_NAME, GRPC_PORT_NAME = "serve", "serve-grpc"
 ALL_INTERFACES = "0.0.0.0"
-RAY_UID = 1000  # user `ray` of the rayproject/ray images (and of ours, built FROM one)
+RAY_UID = 1000  # user `ray` of our image (Dockerfile: USER 1000:100), the rayproject/ray images' ids too
 RAY_GID = 100  # its primary group `users`
 AUTH_MOUNT, AUTH_FILE = "/etc/specinfer/auth", "tokens"  # the serving tokens' Secret, in the worker pods
 
@@ -57,9 +60,10 @@ def _port(name: str, number: int) -> dict:
     return {"name": name, "containerPort": number, "protocol": "TCP"}
 
 
-def _resources(cpu: str, memory: str, extra: dict | None = None) -> dict:
+def _resources(cpu: str, memory: str, extra: dict | None = None, storage: str | None = None) -> dict:
+    """Limits = requests (Guaranteed QoS); ephemeral storage is requested only (scheduling, no eviction cap)."""
     amounts = {"cpu": cpu, "memory": memory, **(extra or {})}
-    return {"limits": dict(amounts), "requests": dict(amounts)}
+    return {"limits": dict(amounts), "requests": {**amounts, **({"ephemeral-storage": storage} if storage else {})}}
 
 
 def _env() -> list[dict]:
@@ -112,8 +116,10 @@ def head_group(kube: KubernetesOverlay) -> dict:
     # KubeRay builds <name>-serve-svc from these ports: "serve" and "serve-grpc" must stay here even
     # though the head takes no traffic (excludeHeadPodFromServeSvc).
     ports = [_port("gcs-server", 6379), _port("dashboard", DASHBOARD_PORT), _port("client", 10001),
-             _port(SERVE_PORT_NAME, SERVE_PORT), _port(GRPC_PORT_NAME, GRPC_PORT)]
-    container = _container(kube, "ray-head", _resources(kube.head.cpu, kube.head.memory), ports=ports)
+             _port(SERVE_PORT_NAME, SERVE_PORT), _port(GRPC_PORT_NAME, GRPC_PORT),
+             _port(METRICS_PORT_NAME, METRICS_PORT)]
+    resources = _resources(kube.head.cpu, kube.head.memory, storage=kube.head.ephemeral_storage)
+    container = _container(kube, "ray-head", resources, ports=ports)
     return {
         "serviceType": "ClusterIP",
         # num-cpus 0: no replica or model actor is scheduled on the head (it mounts no model volume);
@@ -153,11 +159,12 @@ def worker_group(kube: KubernetesOverlay, plan: WorkerPlan) -> dict:
     """The GPU worker group: pod counts, the model volume (filled by the fetch initContainer with
     models.fetch), the drain before a pod stops (preStop ``plan.prestop``, ``docs/kubernetes.md``)."""
     models, worker = kube.models, kube.worker
-    resources = _resources(worker.cpu, worker.memory, {worker.gpu_resource: str(worker.gpus)})
+    resources = _resources(worker.cpu, worker.memory, {worker.gpu_resource: str(worker.gpus)},
+                           worker.ephemeral_storage)
     volumes, mounts = _worker_volumes(kube)
-    container = _container(kube, "ray-worker", resources,
-                           ports=[_port(SERVE_PORT_NAME, SERVE_PORT), _port(GRPC_PORT_NAME, GRPC_PORT)],
-                           mounts=mounts)
+    ports = [_port(SERVE_PORT_NAME, SERVE_PORT), _port(GRPC_PORT_NAME, GRPC_PORT),
+             _port(METRICS_PORT_NAME, METRICS_PORT)]
+    container = _container(kube, "ray-worker", resources, ports=ports, mounts=mounts)
     container["env"].append({"name": "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "value": str(plan.sigterm_drain_s)})
     container["lifecycle"] = {"preStop": {"exec": {"command": list(plan.prestop)}}}
     init = [fetch_container(kube, list(plan.fetch_names))] if models.fetch else None
@@ -166,6 +173,8 @@ def worker_group(kube: KubernetesOverlay, plan: WorkerPlan) -> dict:
     spec["terminationGracePeriodSeconds"] = plan.grace_s
     if worker.tolerate_gpu_taint and worker.gpus:
         spec["tolerations"] = [{"key": worker.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}]
+    if worker.node_selector:
+        spec["nodeSelector"] = dict(worker.node_selector)
     return {
         "groupName": worker.group_name,
         "replicas": plan.replicas,

@@ -13,8 +13,14 @@ with ``_total`` (histograms get ``_bucket`` / ``_sum`` / ``_count``)::
 
     specinfer:spec_decode_num_draft_tokens  ->  ray_specinfer_spec_decode_num_draft_tokens_total
 
-``exported_name`` gives the name to scrape; docs/serving.md lists them all. No Ray import at
-module level: the request bookkeeping (``RequestObservation``) is plain Python.
+``exported_name`` gives the name to scrape; docs/serving.md lists them all.
+
+Where the meaning is vLLM's own, the value is also written under vLLM's name, with vLLM's labels
+(``model_name``, ``engine``) and histogram buckets (``VLLM_SPECS``, vllm/v1/metrics/loggers.py and
+vllm/v1/spec_decode/metrics.py): ``vllm:num_requests_running`` becomes
+``ray_vllm_num_requests_running``, the name vLLM's own Ray metric wrappers produce
+(vllm/v1/metrics/ray_wrappers.py), so dashboards written for vLLM on Ray Serve read it. No Ray
+import at module level: the request bookkeeping (``RequestObservation``) is plain Python.
 """
 
 from __future__ import annotations
@@ -124,6 +130,38 @@ SPECS = {spec.name: spec for spec in (
 )}
 
 
+# vLLM's own metrics, with its labels and buckets (vllm/v1/metrics/loggers.py: PrometheusStatLogger;
+# vllm/v1/spec_decode/metrics.py: SpecDecodingProm). Each is written with the same value as its
+# specinfer: twin (VLLM_TWINS) or, for the two without one, where ServingMetrics says.
+VLLM_TAGS = ("model_name", "engine")
+VLLM_TTFT_BUCKETS_S = TTFT_BUCKETS_S + (160.0, 640.0, 2560.0)
+VLLM_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                          240.0, 480.0, 960.0, 1920.0, 7680.0)
+VLLM_SPECS = {spec.name: spec for spec in (
+    MetricSpec("vllm:num_requests_running", GAUGE, "Number of requests in model execution batches.", VLLM_TAGS),
+    MetricSpec("vllm:num_requests_waiting", GAUGE, "Number of requests waiting to be processed.", VLLM_TAGS),
+    MetricSpec("vllm:kv_cache_usage_perc", GAUGE, "KV-cache usage. 1 means 100 percent usage.", VLLM_TAGS),
+    MetricSpec("vllm:prompt_tokens", COUNTER, "Number of prefill tokens processed.", VLLM_TAGS),
+    MetricSpec("vllm:generation_tokens", COUNTER, "Number of generation tokens processed.", VLLM_TAGS),
+    MetricSpec("vllm:request_success", COUNTER, "Count of successfully processed requests.",
+               VLLM_TAGS + ("finished_reason",)),
+    MetricSpec("vllm:spec_decode_num_drafts", COUNTER,
+               "Number of spec decoding drafts (a request's token tree with at least one draft token, per step).",
+               VLLM_TAGS),
+    MetricSpec("vllm:spec_decode_num_draft_tokens", COUNTER, "Number of draft tokens.", VLLM_TAGS),
+    MetricSpec("vllm:spec_decode_num_accepted_tokens", COUNTER, "Number of accepted tokens.", VLLM_TAGS),
+    MetricSpec("vllm:spec_decode_num_accepted_tokens_per_pos", COUNTER,
+               "Accepted tokens per draft position.", VLLM_TAGS + ("position",)),
+    MetricSpec("vllm:time_to_first_token_seconds", HISTOGRAM, "Histogram of time to first token in seconds.",
+               VLLM_TAGS, VLLM_TTFT_BUCKETS_S),
+    MetricSpec("vllm:e2e_request_latency_seconds", HISTOGRAM, "Histogram of e2e request latency in seconds.",
+               VLLM_TAGS, VLLM_LATENCY_BUCKETS_S),
+)}
+VLLM_TWINS = {f"specinfer:{name.split(':', 1)[1]}": name for name in VLLM_SPECS
+              if f"specinfer:{name.split(':', 1)[1]}" in SPECS}
+ALL_SPECS = {**SPECS, **VLLM_SPECS}
+
+
 # Counted per engine-loop iteration (ServingMetrics.iteration), per request on the older path:
 # the metric -> the IterationStats field.
 ITERATION_TOKENS = {"specinfer:prompt_tokens": "prompt_tokens", "specinfer:generation_tokens": "emitted_tokens",
@@ -133,7 +171,7 @@ ITERATION_TOKENS = {"specinfer:prompt_tokens": "prompt_tokens", "specinfer:gener
 
 def exported_name(name: str) -> str:
     """``specinfer:requests`` -> ``ray_specinfer_requests_total`` (what Prometheus scrapes)."""
-    return SPECS[name].exported_name
+    return ALL_SPECS[name].exported_name
 
 
 @dataclass
@@ -187,12 +225,16 @@ class ServingMetrics:
     Serve replica (or with Ray initialized) and the replica's tags are added to every series.
     """
 
-    def __init__(self, factory: Callable[[MetricSpec], object] | None = None):
+    def __init__(self, factory: Callable[[MetricSpec], object] | None = None, model_name: str = ""):
         factory = factory or ray_metric
-        self.metrics = {name: factory(spec) for name, spec in SPECS.items()}
+        self.metrics = {name: factory(spec) for name, spec in ALL_SPECS.items()}
+        self.vllm_tags = {"model_name": model_name, "engine": "0"}  # one engine loop per replica
+        # what the recording code writes to: a specinfer: metric with a vLLM twin writes both
+        self.writers = {name: Twinned(metric, self.metrics[VLLM_TWINS[name]], self.vllm_tags)
+                        if name in VLLM_TWINS else metric for name, metric in self.metrics.items()}
 
     def running(self, count: int) -> None:
-        self._safely(lambda: self.metrics["specinfer:num_requests_running"].set(count))
+        self._safely(lambda: self.writers["specinfer:num_requests_running"].set(count))
 
     def iteration(self, stats) -> None:
         """One engine-loop iteration (``engine.loop.IterationStats``): the queue and KV gauges, the
@@ -201,7 +243,8 @@ class ServingMetrics:
         self._safely(lambda: self._iteration(stats))
 
     def _iteration(self, s) -> None:
-        m = self.metrics
+        m = self.writers
+        _inc(m["vllm:spec_decode_num_drafts"], s.drafts, self.vllm_tags)
         m["specinfer:num_requests_waiting"].set(s.waiting)
         if s.kv_blocks_total:
             m["specinfer:kv_cache_usage_perc"].set(s.kv_blocks_used / s.kv_blocks_total)
@@ -216,8 +259,10 @@ class ServingMetrics:
         self._safely(lambda: self._record(observation))
 
     def _record(self, o: RequestObservation) -> None:
-        m = self.metrics
+        m = self.writers
         m["specinfer:requests"].inc(1, tags={"status": o.status or "INTERNAL", "api": o.api})
+        if o.status == "OK":
+            m["vllm:request_success"].inc(1, tags={**self.vllm_tags, "finished_reason": o.finish_reason or "stop"})
         if o.ttft_s is not None:
             m["specinfer:time_to_first_token_seconds"].observe(max(o.ttft_s, 0.0))
         stats = o.stats
@@ -228,6 +273,7 @@ class ServingMetrics:
             _inc(m["specinfer:generation_tokens"], stats.new_tokens)
             _inc(m["specinfer:spec_decode_num_draft_tokens"], stats.draft_tokens)
             _inc(m["specinfer:spec_decode_num_accepted_tokens"], stats.accepted_tokens)
+            _inc(m["vllm:spec_decode_num_drafts"], sum(size > 0 for size in stats.tree_sizes), self.vllm_tags)
         _inc(m["specinfer:target_steps"], stats.target_steps)
         for position, count in enumerate(stats.accepted_per_depth):
             _inc(m["specinfer:spec_decode_num_accepted_tokens_per_pos"], count, {"position": str(position)})
@@ -255,6 +301,26 @@ class ServingMetrics:
             action()
         except Exception:
             logger.exception("recording metrics failed")
+
+
+class Twinned:
+    """A specinfer: metric and its vLLM twin: every write goes to both, the twin's with vLLM's labels."""
+
+    def __init__(self, primary, twin, twin_tags: dict[str, str]):
+        self.primary, self.twin, self.twin_tags = primary, twin, twin_tags
+
+    def _both(self, method: str, value: float, tags: dict | None) -> None:
+        getattr(self.primary, method)(value, tags=tags)
+        getattr(self.twin, method)(value, tags={**(tags or {}), **self.twin_tags})
+
+    def inc(self, value: float = 1.0, tags: dict | None = None) -> None:
+        self._both("inc", value, tags)
+
+    def observe(self, value: float, tags: dict | None = None) -> None:
+        self._both("observe", value, tags)
+
+    def set(self, value: float, tags: dict | None = None) -> None:
+        self._both("set", value, tags)
 
 
 def _inc(counter, value: float, tags: dict | None = None) -> None:

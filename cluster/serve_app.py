@@ -91,7 +91,7 @@ class SpecInferIngress:
         health = config.server.health
         self.liveness = Liveness(self.group.roles(), health.probe_timeout_s, health.retry_interval_s)
         self.active, self.draining = 0, False
-        self.metrics = ServingMetrics()
+        self.metrics = ServingMetrics(model_name=config.target.name)  # vLLM's model_name label
         self.metrics.running(0)
         self.loop = self._engine_loop() if config.server.engine_loop else None
 

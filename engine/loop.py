@@ -71,8 +71,9 @@ class LoopLimits:
 @dataclass(frozen=True)
 class IterationStats:
     """One iteration, for metrics: requests running and waiting after it, the target's KV blocks in
-    use (None without a pool), drafted, accepted, emitted and prompt tokens, and ms per phase
-    (draft: drafting and merging; verify: the target pass, verification and commit)."""
+    use (None without a pool), drafted, accepted, emitted and prompt tokens, ms per phase
+    (draft: drafting and merging; verify: the target pass, verification and commit), and the
+    requests verified with at least one draft token (vLLM's ``num_drafts``)."""
 
     iteration: int
     running: int
@@ -85,6 +86,7 @@ class IterationStats:
     emitted_tokens: int
     prompt_tokens: int
     ms: dict[str, float]
+    drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -314,7 +316,7 @@ class EngineLoop:
 
     def _commit(self, decoding, plans, chunks, results, ms) -> dict[str, int]:
         """Each request's result to its outbox; the finished leave. Returns the iteration's counts."""
-        counts = dict.fromkeys(("drafted", "accepted", "emitted", "prompt"), 0)
+        counts = dict.fromkeys(("drafted", "accepted", "emitted", "prompt", "drafts"), 0)
         wall_ms = sum(ms.values())
         for r in decoding:
             result = results.get(r.id)
@@ -324,6 +326,7 @@ class EngineLoop:
                 self._fail(r, result if isinstance(result, BaseException) else RuntimeError("no verdict"))
                 continue
             counts["drafted"] += result.draft_tokens
+            counts["drafts"] += result.draft_tokens > 0
             counts["accepted"] += len(result.tokens) - 1
             self._push(r, r.session.finish_step(plans[r.id], result, wall_ms))
         for r in chunks:
@@ -377,7 +380,7 @@ class EngineLoop:
         self.last = IterationStats(self.iterations, len(self.running), len(self.waiting),
                                    sum(r.prefilling for r in self.running), used, total,
                                    counts["drafted"], counts["accepted"], counts["emitted"], counts["prompt"],
-                                   dict(ms))
+                                   dict(ms), counts["drafts"])
         for observer in self.observers:
             observer(self.last)
         return self.last

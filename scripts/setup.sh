@@ -12,7 +12,8 @@ fi
 # arctic-inference (the suffix proposer's suffix trees) ships as an sdist: build it against the
 # installed interpreter with its build tools (~30 s on CPU), so the install below finds it satisfied.
 if ! "$PYTHON" -c 'import arctic_inference.suffix_decoding' 2>/dev/null; then
-  "$PYTHON" -m pip install --quiet cmake nanobind==2.9.2 ninja
-  "$PYTHON" -m pip install --quiet --no-build-isolation arctic-inference==0.3.0
+  "$PYTHON" -m pip install --quiet -c constraints.txt cmake nanobind ninja grpcio-tools
+  "$PYTHON" -m pip install --quiet -c constraints.txt --no-build-isolation arctic-inference
 fi
-"$PYTHON" -m pip install --quiet -e ".[test,bench]"
+# constraints.txt: the serving image's versions (Dockerfile), so the tests run what it ships
+"$PYTHON" -m pip install --quiet -c constraints.txt -e ".[test,bench]"

@@ -266,6 +266,9 @@ def test_iteration_stats_add_up_to_the_requests_own(models):
     assert sum(s.emitted_tokens for s in seen) == sum(len(o) for o in outputs.values()) == 32
     assert sum(s.drafted_tokens for s in seen) == sum(st.draft_tokens for st in stats.values())
     assert sum(s.accepted_tokens for s in seen) == sum(st.accepted_tokens for st in stats.values())
+    # vLLM's num_drafts: each request's verify steps whose tree held a draft token
+    drafts = sum(size > 0 for st in stats.values() for size in st.tree_sizes)
+    assert sum(s.drafts for s in seen) == drafts > 0
     assert sum(s.prompt_tokens for s in seen) == 6 + 20
     assert seen[0].kv_blocks_used > 0 and seen[-1].kv_blocks_used == 0 and seen[-1].running == 0
     assert set(seen[0].ms) == {"schedule", "draft", "verify", "commit"}

@@ -16,8 +16,8 @@ import urllib.request
 import grpc
 import pytest
 
-from cluster.metrics import (SPECS, RequestObservation, ServingMetrics, exported_name, observed, parse_samples,
-                             sample_sum)
+from cluster.metrics import (ALL_SPECS, SPECS, VLLM_SPECS, VLLM_TWINS, RequestObservation, ServingMetrics,
+                             exported_name, observed, parse_samples, sample_sum)
 from cluster.serve_client import Client, build_request
 from engine.requests import HOPS
 from serving_fixtures import (metrics_url, own_app, ray_session, serving,  # noqa: F401 (fixtures)
@@ -40,10 +40,44 @@ def test_exported_names_follow_ray_rules():
         "ray_specinfer_spec_decode_num_accepted_tokens_per_pos_total"
     assert exported_name("specinfer:e2e_request_latency_seconds") == "ray_specinfer_e2e_request_latency_seconds"
     assert exported_name("specinfer:num_requests_running") == "ray_specinfer_num_requests_running"
-    for spec in SPECS.values():
-        assert spec.name.startswith("specinfer:") and ":" not in spec.ray_name
+    # vLLM's names as vLLM's own Ray wrappers export them (vllm/v1/metrics/ray_wrappers.py)
+    assert exported_name("vllm:num_requests_running") == "ray_vllm_num_requests_running"
+    assert exported_name("vllm:spec_decode_num_drafts") == "ray_vllm_spec_decode_num_drafts_total"
+    assert exported_name("vllm:time_to_first_token_seconds") == "ray_vllm_time_to_first_token_seconds"
+    for spec in ALL_SPECS.values():
+        assert spec.name.split(":")[0] in ("specinfer", "vllm") and ":" not in spec.ray_name
         assert all(b > 0 for b in spec.boundaries)  # Ray refuses boundaries <= 0
         assert not {"deployment", "replica", "application", "route"} & set(spec.tags)  # Serve's own tags
+    assert set(SPECS) | set(VLLM_SPECS) == set(ALL_SPECS) and len(ALL_SPECS) == len(SPECS) + len(VLLM_SPECS)
+
+
+# vLLM v1's own definitions (vllm/v1/metrics/loggers.py PrometheusStatLogger, vllm/v1/spec_decode/metrics.py
+# SpecDecodingProm): name -> (type, labels). A vLLM-named metric means what vLLM's does, or it is not here.
+VLLM_DEFINITIONS = {
+    "vllm:num_requests_running": ("gauge", ("model_name", "engine")),
+    "vllm:num_requests_waiting": ("gauge", ("model_name", "engine")),
+    "vllm:kv_cache_usage_perc": ("gauge", ("model_name", "engine")),
+    "vllm:prompt_tokens": ("counter", ("model_name", "engine")),
+    "vllm:generation_tokens": ("counter", ("model_name", "engine")),
+    "vllm:request_success": ("counter", ("model_name", "engine", "finished_reason")),
+    "vllm:spec_decode_num_drafts": ("counter", ("model_name", "engine")),
+    "vllm:spec_decode_num_draft_tokens": ("counter", ("model_name", "engine")),
+    "vllm:spec_decode_num_accepted_tokens": ("counter", ("model_name", "engine")),
+    "vllm:spec_decode_num_accepted_tokens_per_pos": ("counter", ("model_name", "engine", "position")),
+    "vllm:time_to_first_token_seconds": ("histogram", ("model_name", "engine")),
+    "vllm:e2e_request_latency_seconds": ("histogram", ("model_name", "engine")),
+}
+
+
+def test_vllm_names_types_and_labels_are_vllms():
+    assert {name: (spec.kind, spec.tags) for name, spec in VLLM_SPECS.items()} == VLLM_DEFINITIONS
+    assert VLLM_SPECS["vllm:time_to_first_token_seconds"].boundaries[-4:] == (80.0, 160.0, 640.0, 2560.0)
+    assert VLLM_SPECS["vllm:e2e_request_latency_seconds"].boundaries[:3] == (0.3, 0.5, 0.8)
+    # a twin has its specinfer: metric's kind and labels, plus vLLM's model_name and engine
+    assert set(VLLM_TWINS.values()) == set(VLLM_SPECS) - {"vllm:request_success", "vllm:spec_decode_num_drafts"}
+    for ours, theirs in VLLM_TWINS.items():
+        assert ours.split(":")[1] == theirs.split(":")[1] and SPECS[ours].kind == VLLM_SPECS[theirs].kind
+        assert VLLM_SPECS[theirs].tags == ("model_name", "engine") + SPECS[ours].tags
 
 
 def test_docs_list_every_metric_under_its_exported_name():
@@ -51,8 +85,8 @@ def test_docs_list_every_metric_under_its_exported_name():
     from pathlib import Path
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
-    rows = dict(re.findall(r"^\| `(specinfer:[a-z0-9_]+)` \| `([a-z0-9_]+)` \|", docs, re.M))
-    assert rows == {name: spec.exported_name for name, spec in SPECS.items()}
+    rows = dict(re.findall(r"^\| `((?:specinfer|vllm):[a-z0-9_]+)` \| `([a-z0-9_]+)` \|", docs, re.M))
+    assert rows == {name: spec.exported_name for name, spec in ALL_SPECS.items()}
 
 
 class FakeMetric:
@@ -74,7 +108,17 @@ class FakeMetric:
 
 
 def fake_metrics() -> ServingMetrics:
-    return ServingMetrics(factory=FakeMetric)
+    return ServingMetrics(factory=FakeMetric, model_name="tiny-target")
+
+
+VLLM_TAGS = {"model_name": "tiny-target", "engine": "0"}
+
+
+def assert_twins_match(metrics: ServingMetrics) -> None:
+    """Every vLLM twin got exactly its specinfer: metric's writes, with vLLM's labels added."""
+    for ours, theirs in VLLM_TWINS.items():
+        expected = [(value, {**tags, **VLLM_TAGS}) for value, tags in metrics.metrics[ours].calls]
+        assert metrics.metrics[theirs].calls == expected, theirs
 
 
 def test_record_counts_a_request_from_its_stats():
@@ -113,6 +157,11 @@ def test_record_counts_a_request_from_its_stats():
     assert m["specinfer:e2e_request_latency_seconds"].calls == [(2.0, {})]
     assert m["specinfer:time_to_first_token_seconds"].calls == [(0.5, {})]
     assert m["specinfer:output_tokens_per_second"].calls == [(6.0, {})]
+    assert_twins_match(metrics)
+    assert m["vllm:spec_decode_num_accepted_tokens_per_pos"].calls == [
+        (4, {"position": "0", **VLLM_TAGS}), (3, {"position": "1", **VLLM_TAGS})]
+    assert m["vllm:spec_decode_num_drafts"].calls == [(3, VLLM_TAGS)]  # the steps whose tree had drafts
+    assert m["vllm:request_success"].calls == [(1, {**VLLM_TAGS, "finished_reason": "length"})]
 
 
 def test_each_loop_iteration_sets_the_gauges_and_counts_tokens_once():
@@ -125,7 +174,7 @@ def test_each_loop_iteration_sets_the_gauges_and_counts_tokens_once():
     ms = {"schedule": 1.0, "draft": 20.0, "verify": 30.0, "commit": 2.0}
     for waiting, used in ((3, 40), (1, 25)):
         metrics.iteration(IterationStats(7, 2, waiting, 0, used, 100, drafted_tokens=10, accepted_tokens=4,
-                                         emitted_tokens=6, prompt_tokens=16, ms=ms))
+                                         emitted_tokens=6, prompt_tokens=16, ms=ms, drafts=2))
     m = metrics.metrics
     assert m["specinfer:num_requests_waiting"].calls == [(3, {}), (1, {})]
     assert m["specinfer:kv_cache_usage_perc"].calls == [(0.4, {}), (0.25, {})]
@@ -142,6 +191,9 @@ def test_each_loop_iteration_sets_the_gauges_and_counts_tokens_once():
             mode="tree", target_steps=3, new_tokens=6, draft_tokens=10, accepted_per_depth=[3, 1])))
     assert {name: m[name].total() for name in totals} == totals  # not again at the request's end
     assert m["specinfer:target_steps"].total() == 3 and m["specinfer:tokens_per_step"].calls == [(2.0, {})]
+    assert_twins_match(metrics)
+    assert m["vllm:num_requests_waiting"].calls == [(3, VLLM_TAGS), (1, VLLM_TAGS)]
+    assert m["vllm:spec_decode_num_drafts"].total() == 4  # the iterations' drafts, not again at the end
 
 
 def test_refused_and_cancelled_requests_are_counted_by_status():
@@ -333,8 +385,18 @@ def test_metrics_equal_the_request_statistics(metrics_app, metrics_url, tiny_mod
     def hop_seconds(text: str) -> dict[str, float]:
         return per_label(text, "specinfer:step_hop_seconds", "hop")
 
+    # vLLM's names carry the same counts, under model_name / engine; num_drafts: the drafted steps
+    twins = {VLLM_TWINS[name]: value for name, value in expected.items() if name in VLLM_TWINS}
+    twins["vllm:spec_decode_num_drafts"] = sum(size > 0 for size in stats.tree_sizes)
+    twins["vllm:request_success"] = 1
+    assert len(twins) == 6 and twins["vllm:spec_decode_num_drafts"] > 0
+
+    def vllm_delta(text: str, name: str) -> float:
+        return delta(text, name, model_name="tiny-target", engine="0")
+
     def complete(text: str) -> bool:
         return (all(delta(text, name) == value for name, value in expected.items())
+                and all(vllm_delta(text, name) == value for name, value in twins.items())
                 and delta(text, "specinfer:requests", status="OK", api="grpc") == 1
                 and per_label(text, "specinfer:spec_decode_num_accepted_tokens_per_pos", "position") == per_pos
                 and per_label(text, "specinfer:spec_decode_num_accepted_tokens_per_ssm", "ssm") == per_ssm
@@ -342,18 +404,25 @@ def test_metrics_equal_the_request_statistics(metrics_app, metrics_url, tiny_mod
 
     after = wait_for(metrics_url, complete)
     assert {name: delta(after, name) for name in expected} == expected
+    assert {name: vllm_delta(after, name) for name in twins} == twins
+    from protos import specinfer_pb2
+
+    reason = specinfer_pb2.FinishReason.Name(reply.finish_reason).removeprefix("FINISH_REASON_").lower()
+    assert delta(after, "vllm:request_success", finished_reason=reason) == 1 and reason in ("stop", "length")
+    assert per_label(after, "vllm:spec_decode_num_accepted_tokens_per_pos", "position") == per_pos
     assert delta(after, "specinfer:requests", status="OK", api="grpc") == 1
     assert per_label(after, "specinfer:spec_decode_num_accepted_tokens_per_pos", "position") == per_pos
     assert per_label(after, "specinfer:spec_decode_num_accepted_tokens_per_ssm", "ssm") == per_ssm
     assert hop_seconds(after) == pytest.approx(hops, rel=1e-6)  # specinfer:step_hop_seconds, hop by hop
     assert sum(per_pos.values()) == stats.accepted_tokens
     assert all(delta(after, "specinfer:iteration_phase_seconds", phase=p) > 0 for p in ("draft", "verify"))
-    assert total(after, "specinfer:num_requests_waiting") == 0
-    assert 0 <= total(after, "specinfer:kv_cache_usage_perc") < 1
+    assert total(after, "specinfer:num_requests_waiting") == total(after, "vllm:num_requests_waiting") == 0
+    assert 0 <= total(after, "specinfer:kv_cache_usage_perc") == total(after, "vllm:kv_cache_usage_perc") < 1
     # histograms: one observation each, tokens/step summed exactly
-    for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "tokens_per_step",
-                 "output_tokens_per_second"):
-        count = f"ray_specinfer_{name}_count"
+    for name in ("specinfer_e2e_request_latency_seconds", "specinfer_time_to_first_token_seconds",
+                 "specinfer_tokens_per_step", "specinfer_output_tokens_per_second",
+                 "vllm_e2e_request_latency_seconds", "vllm_time_to_first_token_seconds"):
+        count = f"ray_{name}_count"
         assert sample_sum(after, count, **APP) - sample_sum(before, count, **APP) == 1, name
     # Ray 2.60 exports each histogram's _sum from bucket midpoints, so only the buckets are exact:
     # the request's tokens/step falls in the first bucket whose bound reaches it.
@@ -395,3 +464,35 @@ def test_refused_requests_are_counted_by_status(metrics_app, metrics_url):  # no
     assert counted(after, "grpc") == 2 and counted(after, "openai") == 1
     assert total(after, "specinfer:requests", status="OK") == total(before, "specinfer:requests", status="OK")
     assert total(after, "specinfer:target_steps") == total(before, "specinfer:target_steps")  # no work counted
+
+
+@pytest.mark.ray
+def test_every_dashboard_query_names_a_metric_the_server_exports(metrics_app, metrics_url):  # noqa: F811
+    """k8s/grafana-dashboard.json reads what a running application really exports: after one request
+    (so every counter and histogram has a series), each metric name of each panel query and query
+    variable is on the node's scrape endpoint."""
+    from test_k8s_monitoring import dashboard_queries, load_dashboard, metric_names
+
+    address, handle, _ = metrics_app
+    before = idle_scrape(metrics_url, handle)
+    with Client(address, application=APP_NAME) as client:
+        assert client.generate(build_request(PROMPT, max_new_tokens=16), timeout=60).stats.new_tokens == 16
+    queries = dashboard_queries(load_dashboard())
+    wanted = set().union(*map(metric_names, queries))
+
+    def exported(text: str) -> set[str]:
+        return {name for name, labels, _ in parse_samples(text) if labels.get("application") == APP_NAME}
+
+    def counted(text: str) -> bool:  # this request's counts arrived (Ray pushes every few seconds)
+        return total(text, "specinfer:requests", status="OK") > total(before, "specinfer:requests", status="OK")
+
+    after = wait_for(metrics_url, lambda text: counted(text) and wanted <= exported(text))
+    assert counted(after)
+    assert sorted(wanted - exported(after)) == []
+    for query in queries:  # each query reads at least one exported name
+        assert metric_names(query) and metric_names(query) <= exported(after), query
+    # what Prometheus sees: Ray's renderings only, never a name with ':' (docs/kubernetes.md, "Monitoring")
+    names = exported(after)
+    assert not [name for name in names if ":" in name]
+    assert {exported_name(name) for name in VLLM_SPECS if VLLM_SPECS[name].kind != "histogram"} <= names
+    assert not {name.removesuffix("_total") for name in names if name.endswith("_total")} & names  # no bare twin
