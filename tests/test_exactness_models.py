@@ -34,16 +34,24 @@ def smol_truncated(smollm2_dir):
     return smol_engine(smollm2_dir.parent, 8)
 
 
+@pytest.fixture(scope="module")
+def smol_expected(smol_self):
+    """The target's own greedy continuation of SMOL_PROMPT (48 tokens or to EOS): computed once, as
+    every test here asks the same target (both engines load the same full SmolLM2) the same prompt."""
+    prompt = smol_self.tokenizer.encode(SMOL_PROMPT)
+    return greedy_to_eos(smol_self.target.model, prompt, 48, smol_self.eos_ids)
+
+
 @pytest.mark.parametrize("mode,expansion,proposers", [
     ("incremental", (1,), None), ("sequence", (1,), None), ("tree", (2, 2, 1), ("ssm",)), ("tree", (3, 1, 1), None),
 ])
-def test_smollm2_with_itself_accepts_all(smol_self, mode, expansion, proposers):
+def test_smollm2_with_itself_accepts_all(smol_self, smol_expected, mode, expansion, proposers):
     engine = smol_self
     prompt = engine.tokenizer.encode(SMOL_PROMPT)
     options = SpeculationOptions(mode=mode, expansion=expansion, sequence_depth=4, proposers=proposers,
                                  policy="schedule")
     result = engine.generate(GenerationRequest(tuple(prompt), 48, speculation=options))
-    expected = greedy_to_eos(engine.target.model, prompt, 48, engine.eos_ids)
+    expected = smol_expected
     assert list(result.token_ids) == expected
     assert result.finish_reason == ("length" if len(expected) == 48 else "stop")
     if mode != "incremental":
@@ -52,7 +60,7 @@ def test_smollm2_with_itself_accepts_all(smol_self, mode, expansion, proposers):
         assert result.stats.accepted_per_proposer.get("ssm", 0) >= (result.stats.target_steps - 3) * depth
 
 
-def test_smollm2_cost_aware_with_itself(smol_self):
+def test_smollm2_cost_aware_with_itself(smol_self, smol_expected):
     """The engine built from a config measured its verify-cost curve; cost-aware shapes with the
     target as its own SSM: the target's greedy output, and deep trees where passes cost the same."""
     engine = smol_self
@@ -68,18 +76,18 @@ def test_smollm2_cost_aware_with_itself(smol_self):
         result = engine.generate(GenerationRequest(tuple(prompt), 48, speculation=options))
     finally:
         engine.cost = measured
-    assert list(result.token_ids) == greedy_to_eos(engine.target.model, prompt, 48, engine.eos_ids)
+    assert list(result.token_ids) == smol_expected
     assert result.stats.tokens_per_step > 2.0 and max(result.stats.tree_sizes) > 2
 
 
 @pytest.mark.parametrize("mode,expansion", [("sequence", (1,)), ("tree", (2, 2, 1))])
-def test_smollm2_with_truncated_copy_rejects_most(smol_truncated, mode, expansion):
+def test_smollm2_with_truncated_copy_rejects_most(smol_truncated, smol_expected, mode, expansion):
     engine = smol_truncated
     prompt = engine.tokenizer.encode(SMOL_PROMPT)
     options = SpeculationOptions(mode=mode, expansion=expansion, sequence_depth=4, proposers=("ssm",),
                                  policy="schedule")
     result = engine.generate(GenerationRequest(tuple(prompt), 48, speculation=options))
-    assert list(result.token_ids) == greedy_to_eos(engine.target.model, prompt, 48, engine.eos_ids)
+    assert list(result.token_ids) == smol_expected
     assert result.stats.accepted_per_proposer.get("ssm", 0) < result.stats.draft_tokens / 4
 
 
