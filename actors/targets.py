@@ -20,7 +20,7 @@ import ray
 from settings.config import EngineConfig
 from engine.batcher import BatchWaits, ForwardBatcher
 from engine.kv_pool import BlockPool, heads_per_shard
-from engine.models import LoadedModel, load_header
+from engine.models import LoadedModel, check_tensor_parallel, load_header
 from engine.packed import PackedModel
 from engine.paged_models import PagedTarget, paged_parts
 from engine.target import Target, TargetModel
@@ -73,6 +73,7 @@ def load_target(config: EngineConfig, name_prefix: str = "specinfer",
     if not ray.is_initialized():
         raise RuntimeError("a tensor-parallel target needs Ray: start or join a Ray cluster first")
     header = load_header(model_spec(config, config.target))
+    check_tensor_parallel(header.model.config, config.target.name, config.verifier.tensor_parallel_size)
     return TensorParallelTarget(config, header.model, name_prefix, namespace), header
 
 
@@ -89,6 +90,7 @@ def build_target(config: EngineConfig, expected: Callable[[], int], name_prefix:
         pool, batcher = batching_parts(config, loaded.model, expected)
         return PagedTarget(loaded.model, pool, batcher), loaded
     header = load_header(model_spec(config, config.target))
+    check_tensor_parallel(header.model.config, config.target.name, tp)
     check_shardable(header.model.config, tp)
     batching = config.server.batching
     pool = BlockPool.for_tokens(batching.kv_cache_tokens, batching.block_size)

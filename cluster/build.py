@@ -19,7 +19,7 @@ from engine.generate import SpeculativeEngine
 from engine.loop import LoopLimits
 from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 from engine.graphed_models import GraphedDrafter, GraphedTarget
-from engine.graphs import GraphRunner
+from engine.graphs import GraphRunner, graphable
 from engine.target import TargetModel
 from engine.shape import TreeCost
 from engine.models import check_same_vocabulary, eos_token_ids
@@ -114,7 +114,7 @@ def _paged_target(config: EngineConfig, target_model: TargetModel) -> PagedTarge
 def _drafter(config: EngineConfig, model, index: int, name: str, graphs: int, batched: bool):
     """An SSM's drafter: over a CUDA-graph buffer, over a paged pool (batched: a 25% larger pool, as
     the served SSM actors have), or over a DynamicCache per request."""
-    if graphs:
+    if graphs and graphable(model.config):
         return GraphedDrafter(GraphRunner(model, graphs), index, name)
     if not batched:
         return ModelDrafter(model, index, name)
@@ -150,6 +150,9 @@ def graph_capacity(config: EngineConfig, target_model) -> int:
     ``cuda_graph_tokens`` plus room for every proposer's tree (up to ``max_tree_nodes`` each) and the
     levels an SSM drafts. Graphs need CUDA and the plain one-rank target."""
     if not (config.cuda_graphs and isinstance(target_model, TargetModel) and target_model.model.device.type == "cuda"):
+        return 0
+    if not graphable(target_model.model.config):
+        logger.info("cuda_graphs: the target's sliding window or softcap is not graphed; forwards run eagerly")
         return 0
     return config.cuda_graph_tokens + (len(config.proposer_names()) + 1) * config.speculation.max_tree_nodes
 

@@ -13,11 +13,12 @@ import torch
 from transformers import DynamicCache
 
 from . import kv
+from .masks import forward_masks
 from .programs import Program, alone, run_alone
 from .sampling import SamplingParams, warp
 from .shape import ShapeHistory, TreeCost, best_size, frontier_to_expand
 from .timing import moving_average
-from .tree import TokenTree, ancestor_mask, attention_bias
+from .tree import TokenTree, ancestor_mask, depths
 
 CHILDREN_RULES = ("top_k", "sampled", "sampled_without_replacement")
 
@@ -194,6 +195,15 @@ def level_visibility(builder: TreeBuilder, level: list[int], cached: list[int]) 
     return ancestor_mask(torch.tensor(builder.parents, dtype=torch.long))[level][:, cached + level]
 
 
+def level_positions(builder: TreeBuilder, nodes: list[int], committed_length: int) -> torch.Tensor:  # -> [len(nodes)]
+    """Positions of a draft's tree nodes: the root (the last committed token) at committed_length - 1,
+    each node at the root's plus its depth.
+
+    Example: parents [-1, 0, 0, 1], nodes [1, 3], committed_length 5 -> [5, 6].
+    """
+    return depths(torch.tensor(builder.parents, dtype=torch.long))[nodes] + committed_length - 1
+
+
 def _set_or_drop(table: dict, state, value) -> None:
     """``table[state] = value``, or drop the state's entry when ``value`` is None."""
     if value is None:
@@ -235,7 +245,7 @@ class ModelDrafter:
         return torch.cuda.stream(self._stream)
 
     def new_state(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+        return kv.new_cache()
 
     def release(self, state: DynamicCache) -> None:
         """Forget the request's shape history and drafted levels; a DynamicCache is freed with its state."""
@@ -462,11 +472,13 @@ class ModelDrafter:
         nodes are appended, so the keys are [committed | cached | level].
         """
         visible = level_visibility(builder, level, cached)  # [F, K]
-        bias = attention_bias(visible, committed_length, self.dtype)
         device = self.model.device
         ids = torch.tensor([[builder.tokens[n] for n in level]], dtype=torch.long, device=device)
         position_ids = torch.full_like(ids, committed_length - 1 + depth)
-        out = self.model(input_ids=ids, attention_mask=bias.to(device), position_ids=position_ids,
+        keys = level_positions(builder, cached + level, committed_length)  # [K]
+        masks = forward_masks(self.model.config, visible, committed_length, position_ids[0].cpu(), keys, self.dtype,
+                              device)
+        out = self.model(input_ids=ids, attention_mask=masks, position_ids=position_ids,
                          **kv.cache_argument(self.model, cache), use_cache=True)
         return out.logits[0].float().cpu()
 

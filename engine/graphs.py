@@ -30,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kv import activation_dtype
 from .kv_pool import head_dim, kv_heads
+from .masks import sliding_window
 from .packed import register_custom_attention
 from .tree import attention_bias
 
@@ -108,6 +109,12 @@ class _Graph:
     logits: torch.Tensor
 
 
+def graphable(model_config) -> bool:
+    """Whether a GraphRunner can run the model: not where a layer has a sliding window or a logit
+    softcap (its attention applies only the tree mask)."""
+    return sliding_window(model_config) is None and getattr(model_config, "attn_logit_softcapping", None) is None
+
+
 class GraphRunner:
     """``model``'s forwards for one sequence at a time over a KV buffer of ``capacity`` slots.
 
@@ -118,9 +125,13 @@ class GraphRunner:
 
     def __init__(self, model, capacity: int, sizes: tuple[int, ...] = SIZES, spec_slots: int = 128,
                  graphs: bool | None = None):
+        config, self.model = model.config, model
+        if not graphable(config):
+            raise ValueError(f"cuda_graphs: a {config.model_type} model with a sliding window or attention logit "
+                             "softcapping needs the paged pool's or the DynamicCache's attention; the graphed "
+                             "buffers apply neither (set cuda_graphs: false)")
         register_custom_attention(ATTENTION, static_attention)
         model.set_attn_implementation(ATTENTION)
-        config, self.model = model.config, model
         self.device = next(model.parameters()).device
         self.dtype = activation_dtype(model)
         self.sizes, self.capacity, self.spec_slots = tuple(sorted(sizes)), capacity, spec_slots

@@ -32,6 +32,17 @@ def activation_dtype(model) -> torch.dtype:
     return [p for p in model.parameters() if p.is_floating_point()][-1].dtype
 
 
+def new_cache() -> DynamicCache:
+    """An empty cache whose every layer keeps every entry (``DynamicLayer``s, made on first use).
+
+    Not ``DynamicCache(config=...)``: for a sliding-window model that makes sliding layers which
+    drop the entries older than the window, and then index i of a layer no longer holds position i,
+    which commits (``keep_path``) and tree masks rely on. Windows are applied by the masks instead
+    (``engine.masks``), so the cache is full attention's, window or not.
+    """
+    return DynamicCache()
+
+
 def cache_length(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 

@@ -187,6 +187,7 @@ class PagedSequence:
 
     def __init__(self, pool: BlockPool, reserve_tokens: int = 0):
         self.pool, self.blocks, self.length, self.pending = pool, [], 0, 0
+        self._pending_positions: list[torch.Tensor] = []  # each [n]: positions of an append's entries
         self.epoch = pool.epoch
         self.quota = pool.blocks_for(reserve_tokens)
         if self.quota and not pool.reserve(self.quota):
@@ -206,13 +207,21 @@ class PagedSequence:
         """Pool slots of entries ``start..stop-1`` (``block_slots``)."""
         return block_slots(self.blocks, self.pool.block_size, start, stop)
 
-    def append(self, count: int) -> torch.Tensor:  # -> [count] slots of the new speculative entries
+    def append(self, count: int, positions: torch.Tensor | None = None) -> torch.Tensor:  # -> [count] slots
+        """Room for ``count`` new speculative entries at ``positions`` ([count]; None: right after the
+        others, as a chain); the slots they go to."""
         end = self.length + self.pending
         missing = self.pool.blocks_for(end + count) - len(self.blocks)
         if missing > 0:
             self.blocks += self.pool.allocate(missing, min(missing, self.reserved))
         self.pending += count
+        self._pending_positions.append(torch.arange(end, end + count) if positions is None else positions)
         return self.slots(end, end + count)
+
+    def pending_positions(self) -> torch.Tensor:  # -> [pending] int64
+        """The positions of the speculative entries, in order (a committed entry's position is its
+        index: a commit keeps a path from the root, whose positions run on from the prefix)."""
+        return torch.cat(self._pending_positions) if self._pending_positions else torch.empty(0, dtype=torch.long)
 
     def keep(self, path: list[int]) -> None:
         """Commit the pending entries on ``path`` (indices into the pending ones), drop the rest.
@@ -232,6 +241,7 @@ class PagedSequence:
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` entries (all committed); free the blocks past them."""
         self.length, self.pending = min(self.length, length), 0
+        self._pending_positions = []
         self._shrink_to(self.pool.blocks_for(self.length))
 
     def save(self, start: int) -> SavedEntries:
@@ -263,6 +273,7 @@ class PagedSequence:
         self._shrink_to(0)
         self.pool.free([], to_reserve=-self.reserved)
         self.quota = self.length = self.pending = 0
+        self._pending_positions = []
 
     def _shrink_to(self, keep: int) -> None:
         if len(self.blocks) > keep:

@@ -19,9 +19,34 @@ from .fused_int8 import fuse_int8_siblings
 
 logger = logging.getLogger(__name__)
 
-# Architectures whose KV cache is plain full attention that honours a custom 4-D float mask and
-# can be gathered along the sequence axis. Each one is proven by tests/test_exactness.py.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# The decoder-only families tree verification supports, each one a row of tests/test_architectures.py
+# (tiny random model: greedy output equal to generate in-process, in the engine loop over the paged
+# pool), and how its layers take a sliding window (``engine.masks``):
+#   None           full attention on every layer
+#   "every_layer"  config.sliding_window, when set, on every layer: one 4-D mask serves them all
+#   "layer_types"  config.layer_types names each layer "full_attention" or "sliding_attention"
+#                  (config.sliding_window): the model takes a dict of 4-D masks, one per kind
+SUPPORTED_ARCHITECTURES: dict[str, str | None] = {
+    "llama": None, "granite": None, "olmo2": None, "gemma": None,
+    "mistral": "every_layer", "phi3": "every_layer", "starcoder2": "every_layer",
+    "qwen2": "layer_types", "qwen3": "layer_types", "gemma2": "layer_types", "gemma3_text": "layer_types",
+    "olmo3": "layer_types",
+}
+LAYER_KINDS = ("full_attention", "sliding_attention")
+
+# Why the families that cannot take a tree mask over a gathered KV cache are refused (model_type -> reason).
+REFUSED_ARCHITECTURES = {
+    **dict.fromkeys(("mamba", "mamba2", "rwkv", "xlstm", "falcon_mamba", "recurrent_gemma", "jamba", "zamba",
+                     "zamba2", "bamba", "falcon_h1", "granitemoehybrid", "lfm2", "qwen3_next", "nemotron_h",
+                     "minimax", "plamo2"),
+                    "a recurrent (state-space or linear-attention) layer keeps a running state, not per-token "
+                    "KV entries that a tree mask can select and a commit can gather"),
+    **dict.fromkeys(("bloom", "mpt"), "ALiBi position biases are added inside attention from key indices, "
+                                      "which a tree's positions (prefix + depth) do not follow"),
+    "gemma3": "it is the multimodal model: serve its text model (model_type gemma3_text)",
+    **dict.fromkeys(("llama4", "llama4_text"), "its chunked attention layers are neither full nor sliding-window "
+                                               "attention"),
+}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,21 +89,57 @@ def _looks_like_hub_id(source: str) -> bool:
     return not Path(source).expanduser().exists() and source.count("/") == 1 and not source.startswith((".", "/", "~"))
 
 
-def check_architecture(config, name: str) -> None:
-    """Raise ValueError unless the config is a full-attention architecture on the allow-list."""
+# Families on the allow-list that DeepSpeed AutoTP (0.19) shards wrongly (found with 2 CPU ranks).
+NOT_TENSOR_PARALLEL = {
+    **dict.fromkeys(("olmo2", "olmo3"), "its q/k norms span every head's projection, and AutoTP leaves them "
+                                        "whole while it splits the projections"),
+    "phi3": "its fused qkv projection is split by the whole model's head counts, not by a rank's",
+}
+
+
+def check_tensor_parallel(config, name: str, tensor_parallel_size: int) -> None:
+    """Raise ValueError where a target of ``config``'s family cannot be sharded over more than one rank."""
     model_type = getattr(config, "model_type", "?")
+    if tensor_parallel_size > 1 and model_type in NOT_TENSOR_PARALLEL:
+        raise ValueError(f"verifier.tensor_parallel_size {tensor_parallel_size}: target {name!r} ({model_type}) "
+                         f"cannot be sharded by DeepSpeed AutoTP: {NOT_TENSOR_PARALLEL[model_type]}; use "
+                         "tensor_parallel_size: 1")
+
+
+def check_architecture(config, name: str) -> None:
+    """Raise ValueError unless the config is a decoder-only family on the allow-list whose layers are
+    full or sliding-window attention; the message names the model and the reason."""
+    model_type = getattr(config, "model_type", "?")
+    reason = refusal(config)
+    if reason is not None:
+        raise ValueError(f"model {name!r} has architecture {model_type!r}, which tree verification does not "
+                         f"support: {reason}")
+
+
+def refusal(config) -> str | None:
+    """Why tree verification cannot serve ``config`` (None: it can)."""
+    model_type = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model: tree verification runs decoder-only causal LMs"
+    if model_type in REFUSED_ARCHITECTURES:
+        return REFUSED_ARCHITECTURES[model_type]
+    if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
+        return "ALiBi position biases are added inside attention from key indices, not from a tree's positions"
     if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"model {name!r} has architecture {model_type!r}, which tree verification does not support "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}); sliding-window, ALiBi, recurrent and "
-            "hybrid caches cannot take a tree attention mask and a gathered KV cache"
-        )
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if getattr(config, "use_sliding_window", False) or layer_types != {"full_attention"}:
-        raise ValueError(
-            f"model {name!r} ({model_type}) uses sliding-window or hybrid attention "
-            f"(layer types: {sorted(layer_types)}), which tree verification does not support"
-        )
+        return f"no test covers it (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+    kinds = set(getattr(config, "layer_types", None) or LAYER_KINDS[:1]) - set(LAYER_KINDS)
+    if kinds:
+        return f"layer types {sorted(kinds)} are neither full nor sliding-window attention"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention (an embedding model) is not causal"
+    return None
+
+
+def attention_for(config, requested: str) -> str:
+    """The attention implementation to load ``config``'s model with: ``requested``, but "eager" where
+    its layers softcap attention logits (gemma2), which SDPA cannot do (transformers refuses it). The
+    paged pool and the tensor-parallel ranks replace it by their own attention, which softcaps."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else requested
 
 
 def load_model(spec: ModelSpec, attn_implementation: str = "sdpa") -> LoadedModel:
@@ -86,10 +147,11 @@ def load_model(spec: ModelSpec, attn_implementation: str = "sdpa") -> LoadedMode
     if spec.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {spec.dtype!r}")
     source, kwargs = pretrained_args(spec)
-    check_architecture(AutoConfig.from_pretrained(source, **kwargs), spec.name)
+    config = AutoConfig.from_pretrained(source, **kwargs)
+    check_architecture(config, spec.name)
     logger.info("loading %s from %s (%s)", spec.name, spec.source, spec.dtype)
     model = AutoModelForCausalLM.from_pretrained(  # safetensors or GGUF only: no pickled .bin / .pt weights
-        source, dtype=DTYPES[spec.dtype], attn_implementation=attn_implementation,
+        source, dtype=DTYPES[spec.dtype], attn_implementation=attention_for(config, attn_implementation),
         use_safetensors=None if "gguf_file" in kwargs else True, **kwargs
     )
     device = resolve_device(spec.device)

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from .models import DTYPES, LoadedModel, ModelSpec, check_architecture, pretrained_args, resolve_device
+from .models import DTYPES, LoadedModel, ModelSpec, attention_for, check_architecture, pretrained_args, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -451,7 +451,8 @@ def load_offloaded(spec: ModelSpec, offload: OffloadSpec, attn_implementation: s
     check_architecture(config, spec.name)
     dtype, device = DTYPES[spec.dtype], resolve_device(spec.device)
     with params_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation=attention_for(config, attn_implementation),
                                                  trust_remote_code=spec.trust_remote_code)
     model.eval()
     model.tie_weights()  # tied lm_head / embeddings share one Parameter, read once from the one entry

@@ -71,8 +71,10 @@ class Segment:
     start: int
     stop: int
     read_slots: torch.Tensor  # [C] its committed entries, then its speculative ones
-    committed: int  # the first ``committed`` read slots are visible to every token
+    committed: int  # the first ``committed`` read slots are visible to every token (but outside a window)
     visible: torch.Tensor  # [n, C - committed] bool
+    query_positions: torch.Tensor  # [n] the tokens' positions
+    key_positions: torch.Tensor  # [C - committed] the speculative entries' positions (committed entry i: i)
 
 
 @dataclass(frozen=True)
@@ -121,14 +123,15 @@ def pack(items: list[ForwardItem], pool: BlockPool) -> tuple[PackedBatch | None,
         try:
             if sequence.lost:
                 raise StateLost("the KV storage was restarted; this request's KV cache is gone")
-            writes.append(sequence.append(n))
+            writes.append(sequence.append(n, item.positions))
         except (StateLost, PoolExhausted) as error:
             errors.append(error)
             continue
         errors.append(None)
         packed.append(item)
         read = sequence.slots(0, sequence.length + sequence.pending)
-        segments.append(Segment(offset, offset + n, read, sequence.length, item.visible))
+        segments.append(Segment(offset, offset + n, read, sequence.length, item.visible, item.positions,
+                                sequence.pending_positions()))
         rows.append(item.rows + offset)
         offset += n
     if not packed:
@@ -151,7 +154,17 @@ class _Reads:
     start: int
     stop: int
     slots: torch.Tensor  # [C] on the model's device
-    bias: torch.Tensor  # [1, 1, n, C]
+    segment: Segment
+    dtype: torch.dtype
+    biases: dict  # sliding window (None: full attention) -> [1, 1, n, C] on the model's device
+
+    def bias(self, window: int | None) -> torch.Tensor:  # -> [1, 1, n, C]
+        """The segment's additive mask for a layer with this sliding window (made by the first such layer)."""
+        if window not in self.biases:
+            s = self.segment
+            self.biases[window] = attention_bias(s.visible, s.committed, self.dtype, window, s.query_positions,
+                                                 s.key_positions).to(self.slots.device)
+        return self.biases[window]
 
 
 @dataclass(frozen=True)
@@ -176,8 +189,7 @@ class PackedRunner:
     def run(self, batch: PackedBatch) -> torch.Tensor:  # -> [R, V] float32
         self.storage.move(batch.moves)
         dtype, device = self.storage.keys[0].dtype, self.device
-        reads = tuple(_Reads(s.start, s.stop, s.read_slots.to(device),
-                             attention_bias(s.visible, s.committed, dtype).to(device)) for s in batch.segments)
+        reads = tuple(_Reads(s.start, s.stop, s.read_slots.to(device), s, dtype, {}) for s in batch.segments)
         context = PagedContext(self.storage, batch.write_slots.to(device), reads)
         out = self.model(input_ids=batch.tokens[None].to(device), position_ids=batch.positions[None].to(device),
                          use_cache=False, paged=context, logits_to_keep=batch.rows.to(device))
@@ -199,16 +211,18 @@ class PagedModel:
         """Nothing beyond the model, which the caller owns."""
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, paged=None, **kwargs):
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, paged=None,
+                    sliding_window=None, softcap=None, **kwargs):
     """query [1, Hq, T, D], key/value [1, H, T, D] -> ([1, T, Hq, D], None).
 
-    Without a PagedContext it is plain SDPA, so a model set to this attention still runs the
-    DynamicCache path. With one, the new keys/values go to their slots, then each request's
-    queries attend to its own slots under its own mask.
+    Without a PagedContext it is plain SDPA (``unpaged_attention``), so a model set to this attention
+    still runs the DynamicCache path. With one, the new keys/values go to their slots, then each
+    request's queries attend to its own slots under its own mask, cut to the layer's
+    ``sliding_window`` where it has one, with the layer's logit ``softcap`` (gemma2) where it has one.
     """
     if paged is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        return unpaged_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
+                                 softcap, **kwargs)
     keys, values = paged.storage.keys[module.layer_idx], paged.storage.values[module.layer_idx]
     keys[paged.write_slots] = key[0].transpose(0, 1).to(keys.dtype)
     values[paged.write_slots] = value[0].transpose(0, 1).to(values.dtype)
@@ -216,10 +230,41 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     for segment in paged.reads:
         k = keys[segment.slots].transpose(0, 1)[None].to(query.dtype)  # [1, H, C, D]
         v = values[segment.slots].transpose(0, 1)[None].to(query.dtype)
-        o = F.scaled_dot_product_attention(query[:, :, segment.start:segment.stop], k, v,
-                                           attn_mask=segment.bias.to(query.dtype), scale=scaling, enable_gqa=True)
+        o = attend(query[:, :, segment.start:segment.stop], k, v, segment.bias(sliding_window).to(query.dtype),
+                   scaling, softcap)
         out[segment.start:segment.stop] = o[0].transpose(0, 1)
     return out[None], None
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
+           scaling: float | None, softcap: float | None) -> torch.Tensor:  # -> [1, Hq, n, D]
+    """Attention of query [1, Hq, n, D] over key/value [1, H, C, D] (grouped heads) under the additive
+    bias [1, 1, n, C]: SDPA, or with a logit ``softcap`` the eager computation Gemma 2 defines
+    (scores * scaling, then softcap * tanh(scores / softcap), then the bias, softmax in float32)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scaling, enable_gqa=True)
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)  # [1, Hq, n, C]
+    scores = torch.tanh(scores / softcap) * softcap + bias
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype) @ value
+
+
+def unpaged_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
+                      **kwargs):
+    """A forward without a PagedContext (the DynamicCache path): SDPA, or ``attend`` where the layer
+    has a logit softcap, which SDPA cannot apply. Its mask comes from SDPA's builder (registered
+    with the attention): a bool mask, or None where the forward is plainly causal."""
+    if softcap is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      sliding_window=sliding_window, **kwargs)
+    queries, keys = query.shape[2], key.shape[2]
+    if attention_mask is None:  # causal: the new tokens are the last of the keys
+        attention_mask = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
+    if attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    return attend(query, key, value, attention_mask, scaling, softcap).transpose(1, 2), None
 
 
 def register_custom_attention(name: str, function) -> None:

@@ -16,8 +16,9 @@ import torch
 from transformers import DynamicCache
 
 from . import kv
+from .masks import forward_masks
 from .programs import Program, alone
-from .tree import TokenTree, ancestor_mask, attention_bias, positions
+from .tree import TokenTree, ancestor_mask, positions
 
 
 class TargetStateLike(Protocol):
@@ -87,7 +88,7 @@ class TargetModel(ForwardsAlone):
 
     def new_state(self, reserve_tokens: int = 0) -> TargetState:
         """A DynamicCache grows as needed: nothing to reserve."""
-        return TargetState(DynamicCache(config=self.model.config))
+        return TargetState(kv.new_cache())
 
     def release(self, state: TargetState) -> None:
         """Nothing to give back: a DynamicCache is freed with its state."""
@@ -105,14 +106,16 @@ class TargetModel(ForwardsAlone):
     @torch.inference_mode()
     def forward_tree(self, state: TargetState, tree: TokenTree) -> torch.Tensor:  # -> [N, V]
         """One forward over all tree nodes: positions prefix + depth, each node sees its
-        ancestors and itself. The tree's KV entries are appended until ``commit``."""
+        ancestors and itself (within the sliding window on windowed layers). The tree's KV entries
+        are appended until ``commit``."""
         prefix = state.length
-        bias = attention_bias(ancestor_mask(tree.parents), prefix, self.dtype)
         device = self.model.device
+        places = positions(tree.parents, prefix)  # [N]
+        masks = forward_masks(self.model.config, ancestor_mask(tree.parents), prefix, places, places, self.dtype, device)
         out = self.model(
             input_ids=tree.tokens[None].to(device),
-            attention_mask=bias.to(device),
-            position_ids=positions(tree.parents, prefix)[None].to(device),
+            attention_mask=masks,
+            position_ids=places[None].to(device),
             **kv.cache_argument(self.model, state.cache),
             use_cache=True,
         )

@@ -82,18 +82,38 @@ def attention_bias(
     visible: torch.Tensor,  # [Q, K] bool: which keys each query may see
     prefix_length: int,
     dtype: torch.dtype,
+    window: int | None = None,
+    query_positions: torch.Tensor | None = None,  # [Q] int64, needed with a window
+    key_positions: torch.Tensor | None = None,  # [K] int64, needed with a window
 ) -> torch.Tensor:  # [1, 1, Q, prefix_length + K]
     """Float additive 4-D mask: 0 where visible, dtype-min elsewhere; the prefix is all visible.
 
     A bool 4-D mask gives silently wrong logits under eager attention, so the mask is always
     float. Example: visible [[1, 0], [1, 1]], prefix 1 -> [[[[0, 0, min], [0, 0, 0]]]].
+    With a sliding ``window`` (``windowed``) a query sees a key only where their positions are less
+    than ``window`` apart; the prefix's entries sit at positions 0 .. prefix_length - 1.
     """
     queries = visible.shape[0]
     full = torch.ones(queries, prefix_length + visible.shape[1], dtype=torch.bool)
     full[:, prefix_length:] = visible
+    if window is not None:
+        keys = torch.cat([torch.arange(prefix_length), key_positions])
+        full = windowed(full, query_positions, keys, window)
     bias = torch.zeros(full.shape, dtype=dtype)
     bias.masked_fill_(~full, torch.finfo(dtype).min)
     return bias[None, None]
+
+
+def windowed(visible: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+             window: int) -> torch.Tensor:  # visible [Q, K] bool, positions [Q], [K] -> [Q, K] bool
+    """``visible`` cut to a sliding window: a query at position q keeps a key at position p only
+    when q - p < window (Hugging Face's ``sliding_window_overlay``: the query and window - 1 keys
+    before it). Positions, not indices: a tree node at prefix + depth sees an ancestor only inside it.
+
+    Example: visible all True [1, 4], query position [5], keys [2, 3, 4, 5], window 3 -> [[0, 1, 1, 1]].
+    """
+    inside = query_positions.to(key_positions.device)[:, None] - key_positions[None, :] < window
+    return visible & inside.to(visible.device)
 
 
 def path_to(parents: torch.Tensor, node: int) -> list[int]:

@@ -19,12 +19,12 @@ from engine.models import (ONEDNN_MIN_WEIGHTS, LoadedModel, ModelSpec, OneDNNLin
 from tests.tiny_models import tiny_model
 
 
-ARCHITECTURES = [  # (config, the words of its error, or None: accepted)
+ARCHITECTURES = [  # (config, the words of its error, or None: accepted); every family: tests/test_architectures.py
     (LlamaConfig(), None),
     (Qwen2Config(), None),
-    (MistralConfig(sliding_window=4096), "mistral"),
-    (GPT2Config(), "gpt2"),
-    (Qwen2Config(use_sliding_window=True, sliding_window=128, max_window_layers=1, num_hidden_layers=2), "sliding"),
+    (MistralConfig(sliding_window=4096), None),
+    (GPT2Config(), "gpt2.*no test covers it"),
+    (Qwen2Config(use_sliding_window=True, sliding_window=128, max_window_layers=1, num_hidden_layers=2), None),
 ]
 
 
