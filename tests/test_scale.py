@@ -56,6 +56,13 @@ def only_replica() -> str:
     return replica
 
 
+def replaced(old: str) -> bool:
+    """The old replica is stopping and a new one runs with all its actors."""
+    states, actors = replica_states(SCALE_APP), replica_actors(SCALE_APP)
+    return states.get("STOPPING", 0) >= 1 and states.get("RUNNING", 0) >= 1 and \
+        any(roles == ROLES for replica, roles in actors.items() if replica != old)
+
+
 def admitted(count: int) -> bool:
     """The held streams are in: the only replica counts them, or Serve already added a replica for
     them (a handle call may then reach either replica)."""
@@ -157,8 +164,10 @@ def test_redeploy_finishes_running_streams_on_the_old_replica(scale_app, local_e
                                                                tmp_path):
     """Streams held on the only replica while the application is redeployed with a changed config
     (serve.run, a new version): the old replica stops (Serve's graceful shutdown: no new requests,
-    server.drain_timeout_s for the running ones) while they run; let go, every stream ends complete
-    and equal to the in-process engine's, the old replica's actors go, and a new replica answers."""
+    server.drain_timeout_s for the running ones) and they stay held until its replacement runs;
+    let go, every stream ends complete and equal to the in-process engine's, the old replica's
+    actors go, and the new replica answers. (With a drain shorter than the replacement's start,
+    Serve kills the old replica under the streams and this fails.)"""
     from ray import serve
 
     from cluster.cli_serve import with_deployment_options
@@ -172,9 +181,10 @@ def test_redeploy_finishes_running_streams_on_the_old_replica(scale_app, local_e
                                 kwargs={"name": SCALE_APP, "route_prefix": "/scale", "blocking": False})
     with held_streams(address, old, tmp_path) as (outputs, errors):
         redeploy.start()
-        stopping = lambda: replica_states(SCALE_APP).get("STOPPING", 0) >= 1  # noqa: E731
-        assert wait_until(stopping, timeout_s=BOUND_S), replica_states(SCALE_APP)
-        assert old in replica_actors(SCALE_APP)  # draining: its actors serve the held streams
+        # the old replica stops (drains) while a replacement starts and runs with its own actors
+        assert wait_until(lambda: replaced(old) or old not in replica_actors(SCALE_APP), timeout_s=BOUND_S), \
+            (replica_states(SCALE_APP), replica_actors(SCALE_APP))
+        assert replica_actors(SCALE_APP).get(old) == ROLES, "the old replica went while its streams ran"
     redeploy.join(BOUND_S)
     assert not redeploy.is_alive(), "the redeploy did not finish"
     assert errors == []
