@@ -11,6 +11,7 @@ from settings.config import ActorOptions, EngineConfig
 
 from .detached import call_detached
 from .merge import MergeActor
+from .placement import NO_PLACEMENT, Placement, replica_demands, reserve, ssm_role, verifier_options
 from .ssm import SSMActor
 from .verifier import TargetInfo, VerifierActor
 
@@ -26,6 +27,7 @@ class ActorGroup:
     ssms: tuple  # ActorHandle per config.ssms entry
     merge: object  # ActorHandle
     verifier: object  # ActorHandle
+    placement: Placement = NO_PLACEMENT  # the reservation they run in (removed with them)
 
     def everyone(self) -> list:
         return [*self.ssms, self.merge, self.verifier]
@@ -61,10 +63,7 @@ class ActorGroup:
             logger.warning("verifier did not shut down cleanly", exc_info=True)
         for actor in self.everyone():
             ray.kill(actor, no_restart=True)
-
-
-def ssm_role(name: str) -> str:
-    return f"ssm/{name}"
+        self.placement.remove()
 
 
 def _options(options: ActorOptions, name: str, namespace: str | None) -> dict:
@@ -76,30 +75,39 @@ def _options(options: ActorOptions, name: str, namespace: str | None) -> dict:
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}}
 
 
-def _verifier_options(config: EngineConfig) -> ActorOptions:
-    """With tensor parallelism the verifier only coordinates: the ranks hold the GPUs and CPUs."""
-    options = config.verifier.actor
-    if config.verifier.tensor_parallel_size == 1:
-        return options
-    return options.model_copy(update={"num_cpus": 0.1, "num_gpus": 0.0, "torch_threads": 1})
-
-
-def launch(config: EngineConfig, prefix: str, namespace: str | None = None) -> ActorGroup:
-    """Start the verifier, one actor per SSM and the merge actor, named ``{prefix}/...``.
+def launch(config: EngineConfig, prefix: str, namespace: str | None = None,
+           placement: Placement = NO_PLACEMENT) -> ActorGroup:
+    """Start the verifier, one actor per SSM and the merge actor, named ``{prefix}/<role>``, each
+    in its bundle of ``placement`` (``actors.placement.reserve``) when it has one.
 
     Not detached: they belong to the caller (the ingress replica) and die with it.
     """
     server = config.server
-    verifier = ray.remote(VerifierActor).options(
-        **_options(_verifier_options(config), f"{prefix}/verifier", namespace)
-    ).remote(config, config.verifier.actor.torch_threads, prefix, namespace)
-    ssms = tuple(
-        ray.remote(SSMActor).options(**_options(server.ssm_actor, f"{prefix}/ssm/{ssm.name}", namespace))
-        .remote(config, index, server.ssm_actor.torch_threads)
-        for index, ssm in enumerate(config.ssms))
-    merge = ray.remote(MergeActor).options(**_options(server.merge_actor, f"{prefix}/merge", namespace)).remote(
+
+    def options(actor: ActorOptions, role: str) -> dict:
+        return {**_options(actor, f"{prefix}/{role}", namespace), **placement.options(role)}
+
+    verifier = ray.remote(VerifierActor).options(**options(verifier_options(config), "verifier")).remote(
+        config, config.verifier.actor.torch_threads, prefix, namespace)
+    ssms = tuple(ray.remote(SSMActor).options(**options(server.ssm_actor, ssm_role(ssm.name)))
+                 .remote(config, index, server.ssm_actor.torch_threads) for index, ssm in enumerate(config.ssms))
+    merge = ray.remote(MergeActor).options(**options(server.merge_actor, "merge")).remote(
         config.suffix, len(config.ssms), server.merge_actor.torch_threads, server.request_ttl_s)
-    return ActorGroup(tuple(config.proposer_names()), tuple(config.proposer_neural()), ssms, merge, verifier)
+    return ActorGroup(tuple(config.proposer_names()), tuple(config.proposer_neural()), ssms, merge, verifier,
+                      placement)
+
+
+async def start(config: EngineConfig, prefix: str, namespace: str | None = None) -> tuple[ActorGroup, TargetInfo]:
+    """Reserve the actors' resources (failing with what is missing after
+    server.actor_placement_timeout_s), start them and wait until they are ready; a failed start
+    leaves no actor or reservation behind."""
+    placement = await reserve(replica_demands(config), config.server.actor_placement_timeout_s, prefix)
+    group = launch(config, prefix, namespace, placement)
+    try:
+        return group, await check_ready(group)
+    except BaseException:
+        group.kill()
+        raise
 
 
 async def check_ready(group: ActorGroup) -> TargetInfo:

@@ -52,15 +52,17 @@ def engine_args(config_path: str, max_new_tokens: int, streams: int) -> dict:
     return config
 
 
-def start(args: dict) -> tuple[str, object]:
-    """Local Ray + Serve with free loopback ports; the gRPC address and the app's Serve handle."""
+def start(args: dict, deployments: list[dict] | None = None) -> tuple[str, object]:
+    """Local Ray + Serve with free loopback ports; the gRPC address and the app's Serve handle.
+    ``deployments``: the app's Serve deployment options (``bench.local_app.start_app``)."""
     from ray import serve
 
     from bench.local_app import start_app
     from settings.config import APP_NAME
 
     serve_yaml = str(Path(__file__).resolve().parent.parent / "configs" / "serve.yaml")  # its proxies, our args
-    address = start_app(serve_yaml, lambda _: args, 600, num_cpus=4, object_store_memory=300 * 2**20)
+    address = start_app(serve_yaml, lambda _: args, 600, num_cpus=4, object_store_memory=300 * 2**20,
+                        deployments=deployments)
     return address, serve.get_app_handle(APP_NAME)
 
 

@@ -104,12 +104,30 @@ def deploy(serve_config: dict) -> str:
     serve.start(proxy_location=schema.proxy_location, http_options=schema.http_options.model_dump(),
                 grpc_options=gRPCOptions(**schema.grpc_options.model_dump()))
     for app in schema.applications:
-        if app.deployments:
-            logger.warning("application %s: per-deployment overrides are applied by `serve run` only", app.name)
         target = _import_attr(app.import_path)
         application = target if isinstance(target, serve.Application) else target(app.args or {})
-        serve.run(application, name=app.name, route_prefix=app.route_prefix, blocking=False)
+        overrides = [deployment.model_dump(exclude_unset=True) for deployment in app.deployments]
+        serve.run(with_deployment_options(application, overrides), name=app.name, route_prefix=app.route_prefix,
+                  blocking=False)
     return f"127.0.0.1:{schema.grpc_options.port}"
+
+
+def with_deployment_options(application, overrides: list[dict]):
+    """``application`` with the options of its ``applications[].deployments[]`` entries, in Serve's
+    own keys (``num_replicas``, ``autoscaling_config``, ``max_ongoing_requests``, ...), as `serve run`
+    and KubeRay's serveConfigV2 apply them. Each entry names the deployment it sets, e.g.
+    ``{"name": "SpecInferIngress", "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}``."""
+    from ray.serve.deployment import Application
+
+    deployment = application._bound_deployment  # our applications are one deployment
+    for override in overrides:
+        options = dict(override)
+        name = options.pop("name", None)
+        if name != deployment.name:
+            raise ValueError(f"applications[].deployments[].name is {name!r}, but the application's deployment is "
+                             f"{deployment.name!r}")
+        deployment = deployment.options(**options)
+    return Application(deployment)
 
 
 def _import_attr(path: str):

@@ -30,7 +30,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from actors.common import process_memory
 from actors.executor import ActorExecutor
-from actors.group import ActorGroup, check_ready, launch
+from actors.group import start
 from actors.backend import ActorBackend, Admission
 from actors.liveness import HealthReport, Liveness
 from engine.budget import RunningLoad, budget_from_curve
@@ -43,8 +43,9 @@ from protos import specinfer_pb2 as pb
 from . import request_log
 from .auth import auth_token, check_metadata
 from .build import speculation_options, tree_cost
-from settings.config import APP_NAME, EngineConfig
+from settings.config import EngineConfig
 from .metrics import RequestObservation, ServingMetrics, observed
+from .serve_client import REPLICA_METADATA
 from .serve_requests import (InvalidArgument, ModelLimits, finish_reason, parse_request, sampling_params,
                              stats_message)
 from .status import ANSWERED, Draining, Overloaded, grpc_status, status_name
@@ -73,9 +74,12 @@ class SpecInferIngress:
         self.auth_token = auth_token(config.server)
         logger.info("authentication %s", f"on (bearer token from ${config.server.auth_token_env})"
                     if self.auth_token else "off")
+        # Actors named after the application and the replica's unique id: replicas never collide,
+        # and each replica's actors (and their reserved resources) die with it, e.g. on scale-down.
         replica = serve.get_replica_context()
-        self.group: ActorGroup = launch(config, f"{APP_NAME}/{replica.replica_tag}")
-        self.info = info = await check_ready(self.group)
+        self.replica = f"{replica.app_name}/{replica.replica_tag}"
+        self.group, info = await start(config, self.replica)
+        self.info = info
         self.tokenizer, self.eos_ids = info.tokenizer, info.eos_ids
         budget, curve = config.server.tree_budget, await self.group.verifier.measure_verify_cost.remote()
         by_budget = curve and config.tree_budget_applies
@@ -213,6 +217,8 @@ class SpecInferIngress:
         """
         observation = observation if observation is not None else RequestObservation("grpc")
         request_id = uuid.uuid4().hex  # the actors' key for the request's state, and its log tag
+        if context is not None:  # which replica answered (the scale-out bench counts them)
+            context.set_trailing_metadata([(REPLICA_METADATA, self.replica)])
         with request_log.request_logging(request_id), observed(self.metrics, observation, status_name), \
                 grpc_status(context), self._admitted(context):
             parsed = parse_request(decode_request(request), self.config, self.base_options, self.tokenizer,

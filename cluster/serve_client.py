@@ -63,6 +63,15 @@ def response_dict(response: pb.GenerateResponse) -> dict:
             "finish_reason": FINISH_NAMES.get(response.finish_reason), "stats": stats_dict(response.stats)}
 
 
+REPLICA_METADATA = "specinfer-replica"  # gRPC trailing metadata: the answering replica, "<app>/<replica id>"
+
+
+def answered_by(call) -> str | None:
+    """The replica that answered a finished call (a stream read to its end, or the call object of
+    ``stub.Generate.with_call``): ``<application>/<replica id>``, from its trailing metadata."""
+    return dict(call.trailing_metadata() or ()).get(REPLICA_METADATA)
+
+
 class Client:
     """Blocking client over one channel. ``timeout`` is the per-call deadline in seconds.
 

@@ -230,6 +230,10 @@ class ServerConfig(Strict):
     tree_budget: TreeBudgetConfig = TreeBudgetConfig()
     drain_timeout_s: float = Field(default=30.0, ge=0.0,
                                    description="on SIGTERM or a redeploy, running requests get this long to finish")
+    actor_placement_timeout_s: float = Field(
+        default=300.0, gt=0.0, description="a starting replica waits this long for its actors' CPUs and GPUs (one "
+                                           "placement group), then fails its start naming what is missing (Serve "
+                                           "retries it); where an autoscaler adds nodes, allow for a node's start")
     health: HealthConfig = HealthConfig()
 
 

@@ -165,16 +165,19 @@ def remote_hold(verifier) -> Callable[[int], None]:
 
 
 @contextmanager
-def own_app(serving: str, args: dict, name: str, route_prefix: str):
+def own_app(serving: str, args: dict, name: str, route_prefix: str, deployments: list[dict] = ()):
     """An application next to the shared one, for one module, deleted at the end: (a gRPC client
-    on it, its Serve handle, the HTTP base URL of its routes)."""
+    on it, its Serve handle, the HTTP base URL of its routes). ``deployments``: Serve's options for
+    the ingress deployment, as in a Serve config's ``applications[].deployments[]``."""
     from ray import serve
     from ray.serve.context import _get_global_client
 
+    from cluster.cli_serve import with_deployment_options
     from cluster.serve_app import app_builder
     from cluster.serve_client import Client
 
-    serve.run(app_builder(args), name=name, route_prefix=route_prefix, blocking=False)
+    serve.run(with_deployment_options(app_builder(args), list(deployments)), name=name, route_prefix=route_prefix,
+              blocking=False)
     http = _get_global_client().http_config
     try:
         with Client(serving, application=name) as client:
@@ -194,13 +197,15 @@ def http_health(url: str) -> tuple[int, str]:
 
 
 def serve_config(args: dict, grpc_port: int, http_port: int) -> dict:
-    """configs/serve.yaml with the test's engine args and ports."""
+    """configs/serve.yaml with the test's engine args and ports, on one replica (its deployment
+    options, such as autoscaling, left out: tests/test_scale.py scales an application of its own)."""
     from cluster.cli_serve import load_serve_config
 
     config = load_serve_config(Path(__file__).resolve().parent.parent / "configs" / "serve.yaml")
     config["http_options"]["port"] = http_port
     config["grpc_options"]["port"] = grpc_port
     config["applications"][0]["args"] = args
+    config["applications"][0].pop("deployments", None)
     return config
 
 
