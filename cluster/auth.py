@@ -86,6 +86,13 @@ class TokenSource:
         return tokens
 
 
+def auth_sources(server: ServerConfig, environ=os.environ) -> str:
+    """Where the accepted tokens come from, for the log (never the tokens):
+    ``$SPECINFER_AUTH_TOKEN and /etc/specinfer/auth/tokens``."""
+    named = [f"${server.auth_token_env}"] if server.auth_token_env and environ.get(server.auth_token_env) else []
+    return " and ".join(named + ([server.auth_token_file] if server.auth_token_file else [])) or "nowhere"
+
+
 def auth_token(server: ServerConfig, environ=os.environ) -> TokenSource | None:
     """The accepted tokens (``server.auth_token_env``'s variable, ``server.auth_token_file``), or None
     when neither is configured and set (auth off)."""

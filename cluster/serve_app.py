@@ -41,7 +41,7 @@ from engine.kv_pool import PoolExhausted
 from protos import specinfer_pb2 as pb
 
 from . import request_log
-from .auth import auth_token, check_metadata
+from .auth import auth_sources, auth_token, check_metadata
 from .build import speculation_options, tree_cost
 from settings.config import EngineConfig
 from .metrics import RequestObservation, ServingMetrics, observed
@@ -72,7 +72,7 @@ class SpecInferIngress:
         request_log.install()
         self.config, self.base_options = config, speculation_options(config)
         self.auth_token = auth_token(config.server)
-        logger.info("authentication %s", f"on (bearer token from ${config.server.auth_token_env})"
+        logger.info("authentication %s", f"on (bearer tokens from {auth_sources(config.server)})"
                     if self.auth_token else "off")
         # Actors named after the application and the replica's unique id: replicas never collide,
         # and each replica's actors (and their reserved resources) die with it, e.g. on scale-down.

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.auth import Unauthenticated, auth_token, authorized, check_header, check_metadata
+from cluster.auth import Unauthenticated, auth_sources, auth_token, authorized, check_header, check_metadata
 from cluster.serve_client import Client, build_request
 from protos import specinfer_pb2_grpc
 from serving_fixtures import (http_base, ray_session, serving, tiny_args, tiny_models)  # noqa: F401  (fixtures)
@@ -41,6 +41,15 @@ def test_auth_is_on_only_when_the_env_var_is_set(environ, expected):
     assert _tokens(auth_token(ServerConfig(), environ)) == expected
     assert auth_token(ServerConfig(auth_token_env=None), {"SPECINFER_AUTH_TOKEN": TOKEN}) is None
     assert _tokens(auth_token(ServerConfig(auth_token_env="OTHER"), {"OTHER": TOKEN})) == (TOKEN,)
+
+
+@pytest.mark.parametrize("server,environ,said", [
+    (ServerConfig(), {"SPECINFER_AUTH_TOKEN": TOKEN}, "$SPECINFER_AUTH_TOKEN"),
+    (ServerConfig(auth_token_file="/etc/specinfer/auth/tokens"), {}, "/etc/specinfer/auth/tokens"),
+    (ServerConfig(auth_token_file="/t"), {"SPECINFER_AUTH_TOKEN": TOKEN}, "$SPECINFER_AUTH_TOKEN and /t"),
+])
+def test_the_log_names_where_the_tokens_come_from_never_a_token(server, environ, said):
+    assert auth_sources(server, environ) == said and TOKEN not in said
 
 
 def _secret_volume(tmp_path, tokens: str, version: int):
