@@ -105,11 +105,11 @@ async def reserve(demands: tuple[Demand, ...], timeout_s: float, replica: str) -
     group = placement_group([d.bundle() for d in demands if d.bundle()], strategy="PACK", name=f"{replica}/actors")
     warning = asyncio.get_running_loop().call_later(WARN_AFTER_S, lambda: logger.warning(
         "replica %s still waits for its actors' resources (gives up after %g s, %s): %s", replica, timeout_s,
-        TIMEOUT_FIELD, shortage(demands, ray.available_resources(), _node_totals())))
+        TIMEOUT_FIELD, shortage(demands, ray.available_resources(), node_totals())))
     try:
         await asyncio.wait_for(asyncio.ensure_future(group.ready()), timeout_s)
     except asyncio.TimeoutError:
-        missing = shortage(demands, ray.available_resources(), _node_totals())
+        missing = shortage(demands, ray.available_resources(), node_totals())
         remove_placement_group(group)
         raise PlacementFailed(f"replica {replica} could not place its actors within {timeout_s:g} s "
                               f"({TIMEOUT_FIELD}): {missing}") from None
@@ -118,7 +118,8 @@ async def reserve(demands: tuple[Demand, ...], timeout_s: float, replica: str) -
     return Placement(group, {role: index for index, role in enumerate(roles)})
 
 
-def _node_totals() -> list[dict[str, float]]:
+def node_totals() -> list[dict[str, float]]:
+    """Each live node's total resources."""
     return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
 
 

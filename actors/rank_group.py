@@ -40,6 +40,7 @@ from engine.tree import TokenTree
 
 from .common import DEFAULT_EXTENSIONS_DIR, setup_process
 from .loading import load_configured
+from .placement import TIMEOUT_FIELD, Demand, PlacementFailed, node_totals, shortage
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class RankGroup:
         bundle = {"CPU": options.num_cpus, "GPU": options.num_gpus}
         bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.01}
         self._group = placement_group([bundle] * self.world_size, strategy="STRICT_PACK")
-        ray.get(self._group.ready(), timeout=600)
+        self._wait_placed(bundle)
         on_gpu = options.num_gpus > 0
         threads = options.torch_threads if on_gpu else max(1, options.torch_threads // self.world_size)
         self.generation += 1
@@ -196,6 +197,22 @@ class RankGroup:
             raise
         logger.info("tensor-parallel group: %d ranks on %s ready in %.1f s (generation %d)",
                     self.world_size, devices[0], time.perf_counter() - began, self.generation)
+
+    def _wait_placed(self, bundle: dict) -> None:
+        """Wait for the ranks' group up to ``server.actor_placement_timeout_s``; past it remove it and
+        raise PlacementFailed saying what the ranks need and what the cluster has."""
+        timeout_s = self.config.server.actor_placement_timeout_s
+        try:
+            ray.get(self._group.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            demands = tuple(Demand(f"rank-{r}", bundle.get("CPU", 0.0), bundle.get("GPU", 0.0))
+                            for r in range(self.world_size))
+            missing = shortage(demands, ray.available_resources(), node_totals())
+            remove_placement_group(self._group)
+            self._group = None
+            raise PlacementFailed(f"the tensor-parallel verifier's {self.world_size} ranks could not be placed "
+                                  f"on one node (STRICT_PACK) within {timeout_s:g} s ({TIMEOUT_FIELD}): "
+                                  f"{missing}") from None
 
     def _rank_actor(self, rank: int, bundle: dict, threads: int, on_gpu: bool):
         env = rank_environment(rank, self.world_size, on_gpu)

@@ -385,3 +385,25 @@ def test_grpc_prefetch_with_a_tensor_parallel_verifier_and_batching(serving, tp2
         ran += reply.stats.prefetch_hits + reply.stats.prefetch_misses
     assert ran > 0
     assert wait_until(lambda: pools_settled(app), timeout_s=60)
+
+
+def test_ranks_that_cannot_be_placed_fail_with_what_they_need(ray_session, tiny_args):
+    """Two ranks of 64 CPUs each on a cluster that has a few: the group's start fails within
+    server.actor_placement_timeout_s, naming the need and the cluster, and leaves no group behind."""
+    from actors.placement import PlacementFailed
+    from actors.rank_group import RankGroup
+    from ray.util import placement_group_table
+    from settings.config import EngineConfig
+
+    args = tp_args(tiny_args)
+    args = {**args, "verifier": {**args["verifier"], "actor": {"num_cpus": 64, "torch_threads": 1}},
+            "server": {**args["server"], "actor_placement_timeout_s": 1.0}}
+    before = {g for g, row in placement_group_table().items() if row["state"] != "REMOVED"}
+    with pytest.raises(PlacementFailed) as failed:
+        RankGroup(EngineConfig.model_validate(args), name_prefix="unplaceable")
+    message = str(failed.value)
+    assert message.startswith("the tensor-parallel verifier's 2 ranks could not be placed on one node (STRICT_PACK) "
+                              "within 1 s (server.actor_placement_timeout_s): they need 128 CPU (rank-0 64, rank-1 64)")
+    assert "no node has 64 CPU for the rank-0" in message
+    after = {g for g, row in placement_group_table().items() if row["state"] != "REMOVED"}
+    assert after <= before
