@@ -1,7 +1,8 @@
 """A tensor-parallel group: N rank actors running DeepSpeed AutoTP, called as one.
 
-Each rank actor loads the whole target, joins one torch.distributed group (NCCL on GPUs, gloo on
-CPU) and shards it with ``deepspeed.init_inference(..., replace_with_kernel_inject=False)``.
+Each rank actor joins one torch.distributed group (NCCL on GPUs, gloo on CPU) and holds its shard
+of the target as ``deepspeed.init_inference(..., replace_with_kernel_inject=False)`` (AutoTP) cuts
+it, read from the checkpoint slice by slice (``actors.sharded``: a rank never holds the whole target).
 Kernel injection stays off: DeepSpeed's injected attention kernels ignore custom attention masks
 (DeepSpeed issues #1466, #1912, #3960) and tree verification depends on the tree mask.
 
@@ -19,6 +20,7 @@ group (``generation`` counts them).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import glob
 import logging
@@ -38,9 +40,10 @@ from engine.packed import PackedBatch, PackedRunner
 from engine.target import TargetModel
 from engine.tree import TokenTree
 
-from .common import DEFAULT_EXTENSIONS_DIR, setup_process
-from .loading import load_configured
+from .common import DEFAULT_EXTENSIONS_DIR, process_memory, setup_process
+from .loading import load_configured, model_spec, resolved_dtype
 from .placement import TIMEOUT_FIELD, Demand, PlacementFailed, node_totals, shortage
+from .sharded import NotShardable, load_rank_shard
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,28 @@ def remove_shared_memory(address: str, port: int) -> None:
             pass
 
 
+def load_rank_module(config: EngineConfig, world_size: int, rank: int, device: str) -> torch.nn.Module:
+    """This rank's AutoTP shard of the target, in eval mode, read slice by slice from its checkpoint
+    (``actors.sharded``); where the checkpoint does not allow that, the whole target loaded on the
+    CPU and sharded by AutoTP, which replaces its nn.Linear layers (so its CPU linears stay torch's).
+    ``device``: where ``dtype: auto`` resolves for (the rank's GPU, or the CPU)."""
+    import deepspeed  # imported in rank processes only (slow, and it reads the environment)
+
+    whole = config.model_copy(update={"device": "cpu", "cpu_linears": "torch"})
+    spec = dataclasses.replace(model_spec(whole, config.target), dtype=resolved_dtype(whole, config.target, device))
+    if config.target.num_layers is None and config.target.quantize == "none" and config.target.offload is None:
+        try:
+            shard = load_rank_shard(spec, world_size, rank)
+            logger.info("rank %d: read %.2f GB of the checkpoint for its shard", rank, shard.bytes_read / 1e9)
+            return shard.module
+        except NotShardable as why:
+            logger.warning("rank %d: loading the whole target, then sharding it: %s", rank, why)
+    loaded = load_configured(whole, config.target, dtype_device=device)
+    engine = deepspeed.init_inference(loaded.model, tensor_parallel={"tp_size": world_size},
+                                      dtype=loaded.model.dtype, replace_with_kernel_inject=False)
+    return engine.module.eval()
+
+
 class RankActor:
     """One rank: its shard of the target and either, per request state id, its shard of that
     request's DynamicCache, or its shard of a paged KV pool's storage (its key/value heads)."""
@@ -85,6 +110,7 @@ class RankActor:
         self.target: TargetModel | None = None
         self.runner: PackedRunner | None = None
         self.states: dict[str, object] = {}
+        self.load_seconds: float | None = None
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: a free port on loopback for the group's TCP store."""
@@ -95,23 +121,18 @@ class RankActor:
             return "127.0.0.1", probe.getsockname()[1]
 
     def start(self, address: tuple[str, int], timeout_s: float, pool_slots: int | None = None) -> str:
-        """Join the process group, load the whole target and shard it; with ``pool_slots``, also
-        allocate this rank's shard of the paged pool's storage. Returns the device."""
-        import deepspeed  # imported in rank processes only (slow, and it reads the environment)
-
+        """Join the process group and load this rank's shard of the target (``load_rank_module``);
+        with ``pool_slots``, also allocate this rank's shard of the paged pool's storage. Returns the device."""
         self.address = address
         os.environ.update(MASTER_ADDR=address[0], MASTER_PORT=str(address[1]))
         on_gpu = torch.cuda.is_available() and self.config.device != "cpu"
         torch.distributed.init_process_group("nccl" if on_gpu else "gloo", rank=self.rank,
                                              world_size=self.world_size,
                                              timeout=datetime.timedelta(seconds=timeout_s))
-        # Loaded on CPU and sharded by DeepSpeed's AutoTP, which replaces the nn.Linear layers: left as loaded.
-        loaded = load_configured(self.config.model_copy(update={"device": "cpu", "cpu_linears": "torch"}),
-                                 self.config.target, dtype_device="cuda" if on_gpu else "cpu")
-        dtype = loaded.model.dtype
-        engine = deepspeed.init_inference(loaded.model, tensor_parallel={"tp_size": self.world_size},
-                                          dtype=dtype, replace_with_kernel_inject=False)
-        self.target = TargetModel(engine.module.eval())
+        began = time.perf_counter()
+        module = load_rank_module(self.config, self.world_size, self.rank, "cuda" if on_gpu else "cpu")
+        self.load_seconds = time.perf_counter() - began
+        self.target = TargetModel(module)
         if pool_slots is not None:
             storage = KVStorage.for_model(self.target.model, pool_slots, shards=self.world_size)
             self.runner = PackedRunner(self.target.model, storage)
@@ -141,6 +162,12 @@ class RankActor:
 
     def num_states(self) -> int:
         return len(self.states)
+
+    @ray.method(concurrency_group="control")
+    def load_report(self) -> dict:
+        """This rank's load in seconds and its memory in MB (``actors.common.process_memory``: VmHWM,
+        the resident peak, and VmRSS, RssAnon, RssFile)."""
+        return {"load_seconds": self.load_seconds, **process_memory()}
 
     @ray.method(concurrency_group="control")
     def group_address(self) -> tuple[str, int] | None:

@@ -271,10 +271,24 @@ def memory_table(file: str) -> str:
                  rows)
 
 
+def shard_load_table(*files: str) -> str:
+    """Loading a target by shard (bench/shard_load.py): each process's load time and peak RSS."""
+    rows = []
+    for file in files:
+        data = load(file)
+        for p in data["processes"]:
+            read = fmt(p["bytes_read"] / 1e9) if "bytes_read" in p else "-"
+            rows.append([f"`{data['source']}` {data['dtype']}", p["process"], fmt(p["weights_mb"], ".0f"),
+                         fmt(p["peak_rss_mb_loaded"], ".0f"), fmt(p.get("peak_vs_whole")), read, fmt(p["load_s"], ".1f")])
+    return table(["target", "process", "weights MB", "peak RSS MB", "vs whole", "GB read", "load s"], rows,
+                 numeric_from=2)
+
+
 TABLES: dict[str, Callable[..., str]] = {
     "methods": methods_table, "load": load_table, "loop_load": loop_load_table, "gpu_sizes": gpu_sizes_table,
     "ensembles": ensembles_table,
     "cost": cost_table, "ab": ab_table, "passes": passes_table, "memory": memory_table,
+    "shard_load": shard_load_table,
 }
 
 

@@ -9,12 +9,14 @@ import gc
 import itertools
 import logging
 import mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
+from .checkpoint import NotDirect, load_direct
 from .fused_int8 import fuse_int8_siblings
 
 logger = logging.getLogger(__name__)
@@ -71,18 +73,50 @@ class LoadedModel:
     tokenizer: object
 
 
+HUB_TOKEN_ENV = "HF_TOKEN"  # the hub token is read from the environment, never from a config or a log
+
+
 def pretrained_args(spec: ModelSpec) -> tuple[str, dict]:
-    """(path or id, keyword arguments) for from_pretrained, resolving a .gguf file path."""
-    source = str(Path(spec.source).expanduser()) if not _looks_like_hub_id(spec.source) else spec.source
+    """(path or id, keyword arguments) for from_pretrained, resolving a .gguf file path. A hub id
+    gets its ``revision`` and the token of ``$HF_TOKEN`` (when set); nothing here logs the kwargs.
+    Example: ``org/model`` at revision ``abc123`` with HF_TOKEN set ->
+    ("org/model", {"trust_remote_code": False, "revision": "abc123", "token": <HF_TOKEN>})."""
+    hub = _looks_like_hub_id(spec.source)
+    source = spec.source if hub else str(Path(spec.source).expanduser())
     kwargs: dict = {"trust_remote_code": spec.trust_remote_code}
     if spec.revision:
         kwargs["revision"] = spec.revision
+    if hub and os.environ.get(HUB_TOKEN_ENV):
+        kwargs["token"] = os.environ[HUB_TOKEN_ENV]
     gguf_file = spec.gguf_file
     if gguf_file is None and source.endswith(".gguf"):
         source, gguf_file = str(Path(source).parent), Path(source).name
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     return source, kwargs
+
+
+def redacted(text: str, kwargs: dict) -> str:
+    """``text`` with the hub token of ``kwargs`` (if any) replaced by ``***``."""
+    token = kwargs.get("token")
+    return text.replace(token, "***") if token else text
+
+
+class ModelSourceError(OSError):
+    """A model's files could not be read from its source (hub id or directory); the message names
+    the model, its source and revision, never the token."""
+
+
+def hub_call(spec: ModelSpec, kwargs: dict, function, *args, **more):
+    """``function(*args, **kwargs, **more)`` (a from_pretrained or download); an OSError it raises
+    (no such repo or revision, no access, no network) becomes a ``ModelSourceError`` naming the
+    model and its source, with the token redacted and the original cause cut off (it may quote it)."""
+    try:
+        return function(*args, **kwargs, **more)
+    except OSError as error:
+        where = f"{spec.source}" + (f" at revision {spec.revision}" if spec.revision else "")
+        message = redacted(f"model {spec.name!r}: cannot read {where}: {error}", kwargs)
+    raise ModelSourceError(message)
 
 
 def _looks_like_hub_id(source: str) -> bool:
@@ -143,26 +177,48 @@ def attention_for(config, requested: str) -> str:
 
 
 def load_model(spec: ModelSpec, attn_implementation: str = "sdpa") -> LoadedModel:
-    """Load a causal LM and its tokenizer; check the architecture before loading weights."""
+    """Load a causal LM and its tokenizer; check the architecture before loading weights.
+    safetensors only (or GGUF): pickled .bin / .pt weights are refused (``use_safetensors``)."""
     if spec.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {spec.dtype!r}")
     source, kwargs = pretrained_args(spec)
-    config = AutoConfig.from_pretrained(source, **kwargs)
+    config = hub_call(spec, kwargs, AutoConfig.from_pretrained, source)
     check_architecture(config, spec.name)
     logger.info("loading %s from %s (%s)", spec.name, spec.source, spec.dtype)
-    model = AutoModelForCausalLM.from_pretrained(  # safetensors or GGUF only: no pickled .bin / .pt weights
-        source, dtype=DTYPES[spec.dtype], attn_implementation=attention_for(config, attn_implementation),
-        use_safetensors=None if "gguf_file" in kwargs else True, **kwargs
-    )
     device = resolve_device(spec.device)
-    model.to(device).eval()
+    model = _load_weights(spec, source, kwargs, config, device, attention_for(config, attn_implementation))
     if device.type == "cpu" and spec.dtype == "bfloat16" and not cpu_has_bf16():
         logger.warning("%s: bfloat16 on a CPU without native bf16 (no AVX512-BF16 / AMX): matrix products are "
                        "emulated, a forward of several tokens costs several times one of a single token and "
                        "trees barely pay; float32 is faster here (dtype: float32, and cpu_linears: "
                        "onednn_packed where the target verifies trees)", spec.name)
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    tokenizer = hub_call(spec, kwargs, AutoTokenizer.from_pretrained, source)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
+
+
+def _load_weights(spec: ModelSpec, source: str, kwargs: dict, config, device: torch.device,
+                  attn_implementation: str) -> PreTrainedModel:
+    """The model on ``device``: a local safetensors checkpoint filled tensor by tensor
+    (``engine.checkpoint.load_direct``: no second full copy on the host), else (a hub id, a GGUF
+    file, names the checkpoint does not hold) from_pretrained."""
+    if "gguf_file" not in kwargs and Path(source).is_dir():
+        try:
+            return load_direct(Path(source), config, DTYPES[spec.dtype], device, attn_implementation,
+                               spec.trust_remote_code)
+        except NotDirect as why:
+            logger.info("%s: loading with from_pretrained (%s)", spec.name, why)
+    model = hub_call(spec, kwargs, AutoModelForCausalLM.from_pretrained, source, dtype=DTYPES[spec.dtype],
+                     attn_implementation=attn_implementation, use_safetensors=None if "gguf_file" in kwargs else True,
+                     **direct_placement(device))
+    return model.to(device).eval()
+
+
+def direct_placement(device: torch.device) -> dict:
+    """from_pretrained arguments that put each tensor on a GPU as it is read (``device_map``), so
+    no full copy of the model is staged in host memory first; none on the CPU, where the weights
+    are read from the mapped safetensors file (in its own dtype without a copy, or converted
+    tensor by tensor)."""
+    return {"device_map": str(device)} if device.type == "cuda" else {}
 
 
 def cpu_has_bf16() -> bool:
@@ -184,13 +240,13 @@ class ModelHeader:
 def load_header(spec: ModelSpec) -> LoadedModel:
     """Config, generation config and tokenizer only (``model`` is a ModelHeader)."""
     source, kwargs = pretrained_args(spec)
-    config = AutoConfig.from_pretrained(source, **kwargs)
+    config = hub_call(spec, kwargs, AutoConfig.from_pretrained, source)
     check_architecture(config, spec.name)
     try:
         generation = GenerationConfig.from_pretrained(source, **kwargs)
     except (OSError, ValueError):  # no generation_config.json
         generation = None
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    tokenizer = hub_call(spec, kwargs, AutoTokenizer.from_pretrained, source)
     return LoadedModel(spec=spec, model=ModelHeader(config, generation), tokenizer=tokenizer)
 
 

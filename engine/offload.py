@@ -31,13 +31,13 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from .checkpoint import parameters_on_meta
 from .models import DTYPES, LoadedModel, ModelSpec, attention_for, check_architecture, pretrained_args, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -416,24 +416,6 @@ def _owner(layer, key: str):
     return (layer.get_submodule(path) if path else layer), leaf
 
 
-@contextmanager
-def params_on_meta():
-    """Build a model whose parameters are on the meta device and whose buffers are real (rotary
-    frequencies are computed at construction and are not in the checkpoint)."""
-    original = torch.nn.Module.register_parameter
-
-    def register(module, name, param):
-        original(module, name, param)
-        if param is not None:
-            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=False)
-
-    torch.nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = original
-
-
 def streamer_of(model) -> LayerStreamer | None:
     """The streamer of an offloaded model (None for a resident one)."""
     return model.__dict__.get("_specinfer_streamer")
@@ -450,7 +432,7 @@ def load_offloaded(spec: ModelSpec, offload: OffloadSpec, attn_implementation: s
     config = AutoConfig.from_pretrained(source, **kwargs)
     check_architecture(config, spec.name)
     dtype, device = DTYPES[spec.dtype], resolve_device(spec.device)
-    with params_on_meta():
+    with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                  attn_implementation=attention_for(config, attn_implementation),
                                                  trust_remote_code=spec.trust_remote_code)
