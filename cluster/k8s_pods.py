@@ -66,10 +66,15 @@ def _resources(cpu: str, memory: str, extra: dict | None = None, storage: str | 
     return {"limits": dict(amounts), "requests": {**amounts, **({"ephemeral-storage": storage} if storage else {})}}
 
 
-def _env() -> list[dict]:
-    """Models load from the volume only; nothing reaches a model hub at run time. (The serving tokens
-    come as a file, ``worker_group``; Ray's token, with authOptions, KubeRay adds itself.)"""
-    return [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TOKENIZERS_PARALLELISM", "value": "false"}]
+def _env(kube: KubernetesOverlay, fetch: bool = False) -> list[dict]:
+    """Models load from the volume only (hub models from its hub cache, ``cluster.fetch.hub_environment``);
+    only the fetch initContainer (``fetch``) reaches a model hub. (The serving tokens come as a file,
+    ``worker_group``; Ray's token, with authOptions, KubeRay adds itself.)"""
+    from .fetch import hub_environment
+
+    env = [{"name": "HF_HUB_OFFLINE", "value": "0" if fetch else "1"},
+           {"name": "TOKENIZERS_PARALLELISM", "value": "false"}]
+    return env + [{"name": name, "value": value} for name, value in hub_environment(kube.models.mount_path).items()]
 
 
 def container_security() -> dict:
@@ -87,13 +92,13 @@ def pod_security() -> dict:
 
 
 def _container(kube: KubernetesOverlay, name: str, resources: dict, *, ports: list | None = None,
-               command: list[str] | None = None, mounts: list[dict] | None = None) -> dict:
+               command: list[str] | None = None, mounts: list[dict] | None = None, fetch: bool = False) -> dict:
     container: dict[str, Any] = {"name": name, "image": kube.image, "imagePullPolicy": kube.image_pull_policy}
     if command:
         container["command"] = command
     if ports:
         container["ports"] = ports
-    container["env"] = _env()
+    container["env"] = _env(kube, fetch)
     container["resources"] = resources
     if mounts:
         container["volumeMounts"] = mounts
@@ -135,7 +140,7 @@ def fetch_container(kube: KubernetesOverlay, names: list[str]) -> dict:
     models = kube.models
     return _container(kube, "fetch-models", _resources(models.fetch_cpu, models.fetch_memory),
                       command=["specinfer", "models", "fetch", "--cache-dir", models.mount_path, *names],
-                      mounts=[{"name": "models", "mountPath": models.mount_path}])
+                      mounts=[{"name": "models", "mountPath": models.mount_path}], fetch=True)
 
 
 def _worker_volumes(kube: KubernetesOverlay) -> tuple[list[dict], list[dict]]:

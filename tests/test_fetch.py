@@ -155,3 +155,67 @@ def test_failed_conversion_leaves_no_dir_and_resumes(
     assert (out / MARKER).read_text().strip() == source.sha256
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".locks", name]  # sources removed
+
+
+# -- models named by hub id ---------------------------------------------------------------------
+
+HUB_TOKEN = "hf_SECRETsentinel0123456789"
+
+
+def test_hub_references_and_fetch_arguments() -> None:
+    from cluster.fetch import FetchError, fetch_arguments, hub_reference
+
+    assert hub_reference("Qwen/Qwen2.5-7B-Instruct@a09a354") == ("Qwen/Qwen2.5-7B-Instruct", "a09a354")
+    assert hub_reference("org/model") == ("org/model", None)
+    assert hub_reference("qwen2.5-coder-0.5b-instruct") is None and hub_reference("/data/m") is None
+    names = fetch_arguments([("qwen2.5-coder-1.5b-instruct", None), ("org/model", "v2"), ("org/model", "v2")])
+    assert names == ["qwen2.5-coder-1.5b-instruct", "org/model@v2"]
+    with pytest.raises(FetchError, match="/data/m"):
+        fetch_arguments([("/data/m", None)])
+
+
+def test_fetch_downloads_a_hub_model_with_the_token_and_never_shows_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from unittest import mock
+
+    from cluster.fetch import FetchError, fetch_models
+
+    monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
+    snapshot = tmp_path / "hub" / "snapshot"
+    with mock.patch("huggingface_hub.snapshot_download", return_value=str(snapshot)) as download:
+        assert fetch_models(tmp_path, ["org/model@v2"]) == {"org/model@v2": snapshot}
+    kwargs = download.call_args.kwargs
+    assert (kwargs["repo_id"], kwargs["revision"], kwargs["token"]) == ("org/model", "v2", HUB_TOKEN)
+    assert kwargs["cache_dir"] == tmp_path / "hub" and "*.safetensors" in kwargs["allow_patterns"]
+    failure = OSError(f"401 Unauthorized for org/model (token {HUB_TOKEN})")
+    with mock.patch("huggingface_hub.snapshot_download", side_effect=failure):
+        with pytest.raises(FetchError, match="org/model@v2") as error:
+            fetch_models(tmp_path, ["org/model@v2"])
+    assert HUB_TOKEN not in str(error.value) and error.value.__cause__ is None
+    assert HUB_TOKEN not in "".join(capsys.readouterr())
+
+
+def test_volume_size_follows_the_models() -> None:
+    from cluster.fetch import MODELS, volume_bytes, volume_size
+
+    pair = ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"]
+    assert volume_bytes(pair) == int(1.25 * sum(MODELS[n].disk_bytes for n in pair))
+    sizes = {("org/big", "v1"): 65 * 2**30}
+    assert volume_size(pair + ["org/big@v1"], lambda repo, revision: sizes[(repo, revision)]) == \
+        f"{-(-int(1.25 * (65 * 2**30 + 8 * 10**9)) // 2**30)}Gi"
+    assert volume_size(pair) == "10Gi"
+
+
+def test_hub_model_bytes_counts_the_files_fetched(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from cluster.fetch import hub_model_bytes
+
+    monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
+    files = [SimpleNamespace(rfilename=name, size=size) for name, size in
+             [("model-00001-of-00002.safetensors", 5000), ("model-00002-of-00002.safetensors", 3000),
+              ("pytorch_model.bin", 9000), ("config.json", 10), ("README.md", 7)]]
+    with mock.patch("huggingface_hub.HfApi.model_info", return_value=SimpleNamespace(siblings=files)) as info:
+        assert hub_model_bytes("org/model", "v1") == 8010
+    assert info.call_args.kwargs["revision"] == "v1" and info.call_args.kwargs["token"] == HUB_TOKEN

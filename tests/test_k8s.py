@@ -766,7 +766,7 @@ def _all(*changes):
      "not an image reference"),
     ("ray auth secret not a name", _kube(ray_auth={"secret": "Ray_Token"}), "ray_auth.secret"),
     ("unfetchable source",
-     lambda o: _args(o).update(target={"name": "t", "source": "org/model"}),
+     lambda o: _args(o).update(target={"name": "t", "source": "/data/my-model"}),
      "models.fetch: false"),
     ("NewCluster on a ReadWriteOnce volume", _all(_kube(upgrade_strategy="NewCluster"), _claim()),
      "access_mode is ReadWriteOnce: a worker on another node never starts"),
@@ -1194,3 +1194,17 @@ def test_minimum_kuberay_version_is_stated_with_its_reason():
     assert "# Needs KubeRay >= 1.6: older operators build <name>-serve-svc from the head port named \"serve\"" in header
     docs = (ROOT / "docs" / "kubernetes.md").read_text()
     assert "KubeRay 1.6 or newer" in docs and "isServingPort" in docs
+
+
+def test_a_hub_model_is_fetched_by_the_init_container_into_the_volumes_hub_cache():
+    """A target named by hub id and revision: the fetch initContainer downloads it (online), and
+    every container finds it in the volume's hub cache (HF_HUB_CACHE); the Ray ones stay offline."""
+    rayservice = _render_with(lambda o: _args(o).update(
+        target={"name": "t", "source": "Qwen/Qwen2.5-7B-Instruct", "revision": "a09a354"}))
+    (worker,) = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    (init,) = worker["template"]["spec"]["initContainers"]
+    assert set(init["command"][5:]) == {"Qwen/Qwen2.5-7B-Instruct@a09a354", "qwen2.5-coder-0.5b-instruct"}
+    for container in all_containers(rayservice):
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["HF_HUB_CACHE"] == "/models/hub", container["name"]
+        assert env["HF_HUB_OFFLINE"] == ("0" if container["name"] == "fetch-models" else "1"), container["name"]
