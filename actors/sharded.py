@@ -26,7 +26,6 @@ loads the whole target and shards it, as before, with a warning saying why.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +34,6 @@ import torch
 
 from engine.checkpoint import HUB_FILES, Block, Checkpoint, Piece, build_empty, checkpoint_names, fill_parameters
 from engine.models import DTYPES, ModelSpec, attention_for, check_architecture, hub_call, pretrained_args
-
-logger = logging.getLogger(__name__)
 
 UC_META = "ds_autotp_universal_checkpoint_meta"  # deepspeed.checkpoint.constants.DS_AUTOTP_UC_META
 
