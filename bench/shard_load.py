@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.common import process_memory  # noqa: E402
+from actors.rank_group import remove_shared_memory  # noqa: E402
 from bench.machine import with_machine  # noqa: E402
 from engine.checkpoint import parameters_on_meta  # noqa: E402
 from engine.dtypes import machine_dtype  # noqa: E402
@@ -197,8 +198,11 @@ def main(argv: list[str] | None = None) -> dict:
     reports = run_processes([(whole_main, (directory, dtype, args.device))])
     for whole_first in [False, True][:1 + args.before if args.tp >= 2 else 0]:
         port = free_port()
-        reports += run_processes([(rank_main, (rank, args.tp, port, directory, dtype, whole_first))
-                                  for rank in range(args.tp)])
+        try:
+            reports += run_processes([(rank_main, (rank, args.tp, port, directory, dtype, whole_first))
+                                      for rank in range(args.tp)])
+        finally:
+            remove_shared_memory("127.0.0.1", port)  # DeepSpeed's CPU all-reduce buffers
     whole = reports[0]
     for report in reports[1:]:
         report["peak_vs_whole"] = report["peak_rss_mb_loaded"] / whole["peak_rss_mb_loaded"]

@@ -9,6 +9,7 @@ of the rank's shard (so the rank never read, let alone held, the rest). The unti
 
 from __future__ import annotations
 
+import glob
 import os
 import socket
 
@@ -69,12 +70,19 @@ def test_each_rank_reads_only_its_shard(tmp_path, tied, hidden):
     """hidden 64: AutoTP gives rank 1 none of the output head's 64 input columns (an empty share)."""
     import torch.multiprocessing as mp
 
+    from actors.rank_group import remove_shared_memory
+
     model = tiny_model("qwen2", hidden=hidden)
     if tied:
         model.config.tie_word_embeddings = True
         model.lm_head.weight = model.model.embed_tokens.weight
     model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
-    mp.spawn(rank_main, args=(2, free_port(), str(tmp_path / "model"), str(tmp_path)), nprocs=2)
+    port = free_port()
+    try:
+        mp.spawn(rank_main, args=(2, port, str(tmp_path / "model"), str(tmp_path)), nprocs=2)
+    finally:
+        remove_shared_memory("127.0.0.1", port)
+    assert not glob.glob(f"/dev/shm/deepspeed_*_127.0.0.1_{port}_*")
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for rank, result in enumerate(results):
         assert result["names"][0] == result["names"][1], rank
