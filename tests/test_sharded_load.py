@@ -65,15 +65,17 @@ def rank_main(rank: int, world: int, port: int, directory: str, out: str) -> Non
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("tied, hidden", [(False, 64), (True, 128)])
-def test_each_rank_reads_only_its_shard(tmp_path, tied, hidden):
-    """hidden 64: AutoTP gives rank 1 none of the output head's 64 input columns (an empty share)."""
+@pytest.mark.parametrize("family, tied, hidden", [("qwen2", False, 64), ("qwen2", True, 128), ("gemma2", True, 64)])
+def test_each_rank_reads_only_its_shard(tmp_path, family, tied, hidden):
+    """hidden 64: AutoTP gives rank 1 none of the output head's 64 input columns (an empty share);
+    gemma2: tied embeddings, sliding and full layers, softcaps."""
     import torch.multiprocessing as mp
 
     from actors.rank_group import remove_shared_memory
+    from tests.tiny_models import family_model
 
-    model = tiny_model("qwen2", hidden=hidden)
-    if tied:
+    model = tiny_model("qwen2", hidden=hidden) if family == "qwen2" else family_model(family, window=6)
+    if tied and family == "qwen2":
         model.config.tie_word_embeddings = True
         model.lm_head.weight = model.model.embed_tokens.weight
     model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
@@ -92,8 +94,9 @@ def test_each_rank_reads_only_its_shard(tmp_path, tied, hidden):
         assert result["bytes_read"] < result["checkpoint_bytes"], rank
     # the split layers hold half of their rows (column-parallel) or columns (row-parallel) on each rank
     shapes = results[1]["shapes"]
-    assert shapes["model.layers.0.mlp.up_proj.weight"] == (hidden, hidden)  # of [2 * hidden, hidden]
-    assert shapes["model.layers.0.mlp.down_proj.weight"] == (hidden, hidden)  # of [hidden, 2 * hidden]
+    up, down = model.model.layers[0].mlp.up_proj.weight.shape, model.model.layers[0].mlp.down_proj.weight.shape
+    assert shapes["model.layers.0.mlp.up_proj.weight"] == (up[0] // 2, up[1])  # column-parallel: half the rows
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (down[0], down[1] // 2)  # row-parallel: half the columns
 
 
 def test_shard_load_bench_on_a_planted_tiny_target(tmp_path):
