@@ -1,4 +1,5 @@
-"""`specinfer k8s render`: generate k8s/rayservice.yaml from configs/serve.yaml + k8s/overlay.yaml."""
+"""`specinfer k8s render`: generate k8s/rayservice.yaml and k8s/models-pvc.yaml from configs/serve.yaml +
+k8s/overlay.yaml."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import difflib
 import sys
 from pathlib import Path
 
-from .k8s import DEFAULT_OUT, DEFAULT_OVERLAY, DEFAULT_SERVE_CONFIG, render_files
+from .k8s import DEFAULT_OUT, DEFAULT_OVERLAY, DEFAULT_PVC_OUT, DEFAULT_SERVE_CONFIG, render_files
 
 
 def add_parsers(subparsers) -> None:
@@ -18,8 +19,11 @@ def add_parsers(subparsers) -> None:
     ren.add_argument("--overlay", type=Path, default=Path(DEFAULT_OVERLAY),
                      help="Kubernetes overlay (default %(default)s)")
     ren.add_argument("--out", default=DEFAULT_OUT, help="manifest to write, '-' for stdout (default %(default)s)")
+    ren.add_argument("--pvc-out", default=None,
+                     help=f"the model volume's PersistentVolumeClaim, sized for the models (default {DEFAULT_PVC_OUT}; "
+                          "not written with --out - unless given)")
     ren.add_argument("--check", action="store_true",
-                     help="write nothing; exit 1 when --out differs from what would be generated")
+                     help="write nothing; exit 1 when --out or --pvc-out differs from what would be generated")
     ren.set_defaults(handler=run_render)
     drain = k8s_sub.add_parser("drain-node", help="(preStop hook of the worker pods) drain this pod's Ray node: "
                                                   "Serve moves its replicas and finishes their requests; wait for it")
@@ -39,25 +43,40 @@ def _run_drain_node(args) -> int:
 
 def run_render(args) -> int:
     rendered = render_files(args.serve_config, args.overlay)
-    text = rendered.text
     for note in rendered.notes:
         print(f"note: {note}", file=sys.stderr)
+    pvc_out = args.pvc_out if args.pvc_out is not None else (None if args.out == "-" else DEFAULT_PVC_OUT)
+    if pvc_out and rendered.pvc_text is None:
+        print(f"note: {pvc_out} not rendered: models.volume is per_pod and the models' size is not known "
+              "(set kubernetes.models.claim_size to render it)", file=sys.stderr)
+        pvc_out = None
+    outputs = [(args.out, rendered.text)] + ([(pvc_out, rendered.pvc_text)] if pvc_out else [])
     if args.check:
-        if args.out == "-":
-            raise ValueError("--check needs a file for --out")
-        out = Path(args.out)
-        current = out.read_text(encoding="utf-8") if out.exists() else ""
-        if current == text:
-            print(f"{out} is up to date")
-            return 0
-        sys.stderr.writelines(difflib.unified_diff(current.splitlines(keepends=True), text.splitlines(keepends=True),
-                                                   f"{out} (committed)", f"{out} (generated)"))
-        print(f"{out} is stale: run `specinfer k8s render`", file=sys.stderr)
-        return 1
-    if args.out == "-":
-        sys.stdout.write(text)
-        return 0
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text, encoding="utf-8")
-    print(f"wrote {args.out}")
+        return max(_check(out, text) for out, text in outputs)
+    for out, text in outputs:
+        _write(out, text)
     return 0
+
+
+def _check(out: str, text: str) -> int:
+    """0 when the file ``out`` holds ``text``, else 1 with the diff on stderr."""
+    if out == "-":
+        raise ValueError("--check needs files for --out and --pvc-out")
+    path = Path(out)
+    current = path.read_text(encoding="utf-8") if path.exists() else ""
+    if current == text:
+        print(f"{path} is up to date")
+        return 0
+    sys.stderr.writelines(difflib.unified_diff(current.splitlines(keepends=True), text.splitlines(keepends=True),
+                                               f"{path} (committed)", f"{path} (generated)"))
+    print(f"{path} is stale: run `specinfer k8s render`", file=sys.stderr)
+    return 1
+
+
+def _write(out: str, text: str) -> None:
+    if out == "-":
+        sys.stdout.write(text)
+        return
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text, encoding="utf-8")
+    print(f"wrote {out}")

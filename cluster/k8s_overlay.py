@@ -40,8 +40,8 @@ class ModelsVolume(Strict):
     volume: Literal["claim", "per_pod"] = "claim"
     size_limit: Quantity = "20Gi"  # per_pod: the emptyDir's sizeLimit (the models take about 5 GiB)
     claim_name: str = "specinfer-models"
-    # Must equal spec.accessModes[0] of k8s/models-pvc.yaml (tests/test_k8s.py checks it): the
-    # renderer refuses upgrade_strategy NewCluster, and more than one worker pod, on a volume only one
+    # spec.accessModes of k8s/models-pvc.yaml (rendered from this section): the renderer refuses
+    # upgrade_strategy NewCluster, and more than one worker pod, on a volume only one
     # node can mount.
     access_mode: AccessMode = "ReadWriteOnce"
     mount_path: str = "/models"
@@ -50,6 +50,20 @@ class ModelsVolume(Strict):
     fetch: bool = True
     fetch_cpu: Quantity = "2"
     fetch_memory: Quantity = "12Gi"
+    # claim: the PVC's storage request (k8s/models-pvc.yaml, rendered); None: computed from the models
+    # (``cluster.fetch.volume_size``: each bundled model's conversion footprint, each hub model's files
+    # as the hub lists them, plus 25%; a hub model's size needs the hub, so offline set it here).
+    claim_size: Quantity | None = None
+    storage_class: str | None = None  # claim: the PVC's storageClassName (None: the cluster's default)
+    # A Secret whose key holds a hub token: the fetch initContainer's HF_TOKEN (gated or private hub
+    # models). Only that container gets it; the Ray containers stay offline.
+    hub_token_secret: str | None = None
+    hub_token_key: str = "token"
+
+    @field_validator("hub_token_secret", "claim_name")
+    @classmethod
+    def _names(cls, value: str | None, info) -> str | None:
+        return None if value is None else _dns_name(value, f"models.{info.field_name}")
 
     @model_validator(mode="after")
     def _writable_for_fetch(self) -> "ModelsVolume":

@@ -138,9 +138,15 @@ def head_group(kube: KubernetesOverlay) -> dict:
 def fetch_container(kube: KubernetesOverlay, names: list[str]) -> dict:
     """The initContainer that fills the model volume; idempotent (checksum markers)."""
     models = kube.models
-    return _container(kube, "fetch-models", _resources(models.fetch_cpu, models.fetch_memory),
-                      command=["specinfer", "models", "fetch", "--cache-dir", models.mount_path, *names],
-                      mounts=[{"name": "models", "mountPath": models.mount_path}], fetch=True)
+    container = _container(kube, "fetch-models", _resources(models.fetch_cpu, models.fetch_memory),
+                           command=["specinfer", "models", "fetch", "--cache-dir", models.mount_path, *names],
+                           mounts=[{"name": "models", "mountPath": models.mount_path}], fetch=True)
+    if models.hub_token_secret:
+        from .fetch import HUB_TOKEN_ENV
+
+        ref = {"name": models.hub_token_secret, "key": models.hub_token_key}
+        container["env"].append({"name": HUB_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}})
+    return container
 
 
 def _worker_volumes(kube: KubernetesOverlay) -> tuple[list[dict], list[dict]]:

@@ -411,9 +411,12 @@ def test_render_cli_check_and_write(tmp_path, monkeypatch, capsys):
     stale.write_text(RAYSERVICE.read_text().replace("replicas: 1", "replicas: 3"))
     assert _render_cli(["k8s", "render", "--check", "--out", str(stale)]) == 1
     assert "is stale" in capsys.readouterr().err
-    fresh = tmp_path / "out" / "rayservice.yaml"
-    assert _render_cli(["k8s", "render", "--out", str(fresh)]) == 0
-    assert fresh.read_text() == RAYSERVICE.read_text()
+    fresh, pvc = tmp_path / "out" / "rayservice.yaml", tmp_path / "out" / "models-pvc.yaml"
+    assert _render_cli(["k8s", "render", "--out", str(fresh), "--pvc-out", str(pvc)]) == 0
+    assert fresh.read_text() == RAYSERVICE.read_text() and pvc.read_text() == PVC.read_text()
+    pvc.write_text(PVC.read_text().replace("storage: 10Gi", "storage: 20Gi"))
+    assert _render_cli(["k8s", "render", "--check", "--pvc-out", str(pvc)]) == 1
+    assert f"{pvc} is stale" in capsys.readouterr().err
     overlay = read_yaml(OVERLAY)
     overlay["kubernetes"]["worker"]["memory"] = "64Gi"
     changed = tmp_path / "overlay.yaml"
@@ -1208,3 +1211,63 @@ def test_a_hub_model_is_fetched_by_the_init_container_into_the_volumes_hub_cache
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["HF_HUB_CACHE"] == "/models/hub", container["name"]
         assert env["HF_HUB_OFFLINE"] == ("0" if container["name"] == "fetch-models" else "1"), container["name"]
+
+
+def test_committed_pvc_is_generated_and_sized_for_the_models():
+    """k8s/models-pvc.yaml is render's: the claim's name, access mode and a size from the models (the
+    default pair: (6 + 2) GB converted, plus 25% -> 10Gi)."""
+    rendered = k8s.render_files(ROOT / "configs" / "serve.yaml", OVERLAY)
+    assert PVC.read_text() == rendered.pvc_text, "k8s/models-pvc.yaml is stale: run `specinfer k8s render`"
+    pvc = yaml.safe_load(rendered.pvc_text.split("---\n", 1)[1])
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    assert pvc["metadata"]["name"] == "specinfer-models" and "storageClassName" not in pvc["spec"]
+
+
+def _hub_target(o):
+    _args(o).update(target={"name": "t", "source": "Qwen/Qwen2.5-7B-Instruct", "revision": "a09a354"})
+
+
+def _rendered_pvc(change, hub_size=None) -> dict | None:
+    serve_config, overlay = read_yaml(ROOT / "configs" / "serve.yaml"), read_yaml(OVERLAY)
+    change(overlay)
+    text = k8s.render_all(serve_config, overlay, hub_size).pvc_text
+    return None if text is None else yaml.safe_load(text.split("---\n", 1)[1])
+
+
+def _offline(repo, revision):
+    raise OSError("offline")
+
+
+@pytest.mark.parametrize("case, change, hub_size, storage", [
+    ("hub target sized by the hub", _all(_claim(access_mode="ReadWriteMany"), _hub_target),
+     lambda repo, revision: {("Qwen/Qwen2.5-7B-Instruct", "a09a354"): 15 * 10**9}[(repo, revision)], "20Gi"),
+    ("size set by hand", _all(_claim(access_mode="ReadWriteMany", claim_size="40Gi", storage_class="fast"),
+                              _hub_target), _offline, "40Gi"),
+    ("per-pod volume, hub unreachable: no claim", _hub_target, _offline, None),
+])
+def test_claim_size_follows_the_models(case, change, hub_size, storage):
+    """(15 GB + the bundled SSM's 2 GB) x 1.25 = 21.25 GB = 19.8 GiB -> 20Gi."""
+    pvc = _rendered_pvc(change, hub_size)
+    assert (pvc and pvc["spec"]["resources"]["requests"]["storage"]) == storage, case
+    if storage == "40Gi":
+        assert pvc["spec"]["storageClassName"] == "fast"
+
+
+def test_claim_of_an_unsizable_hub_model_is_refused_naming_claim_size():
+    with pytest.raises(ValueError, match=r"kubernetes.models.claim_size: the size of Qwen/Qwen2.5-7B-Instruct@a09a354 "
+                                         r"cannot be asked from the hub \(OSError\); set claim_size"):
+        _rendered_pvc(_all(_claim(access_mode="ReadWriteMany"), _hub_target), _offline)
+
+
+def test_hub_token_reaches_the_fetch_init_container_only():
+    """models.hub_token_secret: HF_TOKEN from the Secret in fetch-models (never a literal value);
+    the Ray containers get no token."""
+    rayservice = _render_with(_all(_models(hub_token_secret="hf-token", hub_token_key="hf"), _hub_target))
+    for container in all_containers(rayservice):
+        tokens = [e for e in container["env"] if e["name"] == "HF_TOKEN"]
+        if container["name"] == "fetch-models":
+            assert tokens == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "hf"}}}]
+        else:
+            assert tokens == [], container["name"]
+    with pytest.raises(ValueError, match="models.hub_token_secret 'HF_Token' is not a valid Kubernetes name"):
+        _render_with(_models(hub_token_secret="HF_Token"))
