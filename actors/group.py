@@ -118,6 +118,7 @@ async def check_ready(group: ActorGroup) -> TargetInfo:
         if vocabulary != info.vocabulary:
             raise ValueError(
                 f"SSM {name!r} (vocab {vocabulary.size}) does not share the vocabulary of target {info.name!r} "
-                f"(vocab {info.vocabulary.size}); speculative decoding needs one vocabulary")
+                f"(vocab {info.vocabulary.size}); speculative decoding needs one vocabulary, or set "
+                "cross_vocabulary: true on the SSM to draft through text")
     logger.info("actors ready: target %s, proposers %s", info.name, list(group.names))
     return info

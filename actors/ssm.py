@@ -17,7 +17,9 @@ from transformers import DynamicCache
 
 from settings.config import EngineConfig
 from engine.paged_models import PagedDrafter
+from engine.cross_vocab import CrossState, CrossVocabDrafter, TranslationCounts
 from engine.draft import ModelDrafter
+from engine.models import LoadedModel, load_header
 from engine.kv_pool import PagedSequence
 from engine.prefetch import Ahead
 from engine.loop import DraftJob
@@ -28,7 +30,7 @@ from .guard import Guard, make_dropper
 from .targets import batching_parts
 from .common import HoldsRequests, NeedsResync, Vocabulary, setup_process, sweep_interval, sync_history, vocabulary
 from .loop_calls import SSMJob
-from .loading import load_configured
+from .loading import load_configured, model_spec
 from .store import RequestStore, start_sweeper
 
 
@@ -40,7 +42,7 @@ class DraftState:
     """One request's SSM state: the KV cache of its committed tokens (each draft's generator is
     made from the committed length: ``Assignment.generator``)."""
 
-    cache: DynamicCache | PagedSequence
+    cache: DynamicCache | PagedSequence | CrossState
     committed: list[int] = field(default_factory=list)  # every committed token, root last
     guard: Guard = field(default_factory=Guard)
     ahead: Ahead = field(init=False)  # drafting ahead for the step being verified, under the guard's lock
@@ -66,22 +68,38 @@ class SSMActor(HoldsRequests):
         model_config = config.ssms[index]
         loaded = load_configured(config, model_config)
         self.index, self.name = index, model_config.name
-        self.paged = config.server.batching.enabled
+        self.paged = config.server.batching.enabled and not model_config.cross_vocabulary
         self._dropper = make_dropper(self._forget)
         self.store: RequestStore[DraftState] = RequestStore(config.server.request_ttl_s, on_drop=self._on_drop)
-        if self.paged:  # a 25% larger pool: its releases may arrive after the verifier admitted more
-            pool, batcher = batching_parts(config, loaded.model, lambda: len(self.store), scale=1.25, burst=False)
-            self.drafter = PagedDrafter(loaded.model, index, model_config.name, pool, batcher)
-        else:
-            self.drafter = ModelDrafter(loaded.model, index, model_config.name)
-        self.vocabulary: Vocabulary = vocabulary(loaded)
+        self.drafter, self.vocabulary = self._drafter(config, loaded)
         self._stop_sweeper = start_sweeper(self.store, sweep_interval(config.server.request_ttl_s))
         self.timings: deque[DraftTiming] = deque(maxlen=4096)
         self.pool = ThreadPoolExecutor(config.server.max_concurrent_requests, thread_name_prefix="prefetch")
         self.init_loop(DraftSide({index: self.drafter}))  # the engine loop's calls (draft_batch)
 
+    def _drafter(self, config: EngineConfig, loaded: LoadedModel) -> tuple[object, Vocabulary]:
+        """The drafter and the vocabulary its proposals are in: over a paged pool (25% larger: its
+        releases may arrive after the verifier admitted more) or a DynamicCache per request; with
+        ``cross_vocabulary``, drafting through text into the target's vocabulary (its tokenizer loaded
+        without weights)."""
+        model_config = config.ssms[self.index]
+        if model_config.cross_vocabulary:
+            target = load_header(model_spec(config, config.target))
+            drafter = CrossVocabDrafter(loaded.model, loaded.tokenizer, target.tokenizer, self.index, self.name)
+            return drafter, vocabulary(target)
+        if self.paged:
+            pool, batcher = batching_parts(config, loaded.model, lambda: len(self.store), scale=1.25, burst=False)
+            return PagedDrafter(loaded.model, self.index, self.name, pool, batcher), vocabulary(loaded)
+        return ModelDrafter(loaded.model, self.index, self.name), vocabulary(loaded)
+
     def ready(self) -> tuple[str, Vocabulary]:
+        """Its name and the vocabulary its proposals are in (the target's, for a cross-vocabulary SSM)."""
         return self.name, self.vocabulary
+
+    def translation_counts(self) -> TranslationCounts | None:
+        """A cross-vocabulary SSM's totals: SSM tokens drafted, target tokens that survived re-encoding;
+        None for an SSM of the target's vocabulary."""
+        return self.drafter.counts if isinstance(self.drafter, CrossVocabDrafter) else None
 
     def draft_batch(self, jobs: list[SSMJob]) -> list[Drafted | BaseException]:
         """The engine loop's draft phase here: every job's tree, one packed forward per tree level for
@@ -127,6 +145,7 @@ class SSMActor(HoldsRequests):
             sync_history(state.committed, start, new_tokens)
             return True
 
+        prefetch = prefetch if isinstance(self.drafter, ModelDrafter) else 0  # drafting through text: never ahead
         drafted = state.ahead.draft(self.drafter, state.cache, committed, assignment, prefetch, self.pool, ready)
         if drafted is not None:
             self.timings.append(DraftTiming(request_id, start_s, time.time()))

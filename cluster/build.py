@@ -13,6 +13,7 @@ import torch
 from actors.loading import auto_chose_cpu_bf16, check_bf16_curve, load_configured
 from actors.suffix import SuffixDrafter
 from actors.targets import load_target
+from engine.cross_vocab import CrossVocabDrafter
 from engine.draft import ModelDrafter
 from engine.budget import budget_from_curve, measure_target_curve
 from engine.generate import SpeculativeEngine
@@ -65,7 +66,8 @@ def forget_responses(engine: SpeculativeEngine) -> None:
 
 
 def build_engine(config: EngineConfig, batched: bool = False) -> SpeculativeEngine:
-    """Load the target and every SSM, check one vocabulary, and assemble the in-process engine.
+    """Load the target and every SSM, check one vocabulary (or, for an SSM with ``cross_vocabulary``,
+    draft through text), and assemble the in-process engine.
 
     ``batched``: the target and SSMs over paged KV pools (``server.batching``: pool size, block size,
     prefill chunk), so the engine loop runs every running request's trees in one packed forward, up
@@ -86,6 +88,9 @@ def build_engine(config: EngineConfig, batched: bool = False) -> SpeculativeEngi
     drafters: list = []
     for index, ssm_config in enumerate(config.ssms):
         ssm = load_configured(config, ssm_config)
+        if ssm_config.cross_vocabulary:  # drafts through text (engine.cross_vocab)
+            drafters.append(CrossVocabDrafter(ssm.model, ssm.tokenizer, target.tokenizer, index, ssm_config.name))
+            continue
         check_same_vocabulary(target, ssm)
         drafters.append(_drafter(config, ssm.model, index, ssm_config.name, graphs, batched))
     if config.suffix:

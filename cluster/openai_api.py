@@ -375,7 +375,9 @@ def speculation_usage(stats) -> dict:
             "draft_ms": stats.draft_ms, "verify_ms": stats.verify_ms, "total_ms": stats.total_ms,
             "hop_ms": dict(stats.hop_ms), "tree_sizes": list(stats.tree_sizes),
             "prefetch_hits": stats.prefetch_hits, "prefetch_misses": stats.prefetch_misses,
-            "prefetch_saved_ms": stats.prefetch_saved_ms}
+            "prefetch_saved_ms": stats.prefetch_saved_ms,
+            "drafted_through_text": {name: counts[0] for name, counts in stats.translated_per_proposer.items()},
+            "survived_through_text": {name: counts[1] for name, counts in stats.translated_per_proposer.items()}}
 
 
 def usage(observation: RequestObservation, stats) -> dict:

@@ -55,7 +55,9 @@ def stats_dict(stats: pb.GenerationStats) -> dict:
     return {**{name: getattr(stats, name) for name in fields},
             "accepted_per_ssm": dict(stats.accepted_per_ssm), "accepted_per_depth": list(stats.accepted_per_depth),
             "hop_ms": dict(stats.hop_ms), "tree_sizes": list(stats.tree_sizes), "prefetch_hits": stats.prefetch_hits,
-            "prefetch_misses": stats.prefetch_misses, "prefetch_saved_ms": stats.prefetch_saved_ms}
+            "prefetch_misses": stats.prefetch_misses, "prefetch_saved_ms": stats.prefetch_saved_ms,
+            "drafted_through_text": dict(stats.drafted_through_text),
+            "survived_through_text": dict(stats.survived_through_text)}
 
 
 def response_dict(response: pb.GenerateResponse) -> dict:

@@ -198,7 +198,9 @@ def stats_message(stats: GenerationStats) -> pb.GenerationStats:
         accepted_tokens=stats.accepted_tokens, accepted_per_ssm=dict(stats.accepted_per_proposer),
         accepted_per_depth=list(stats.accepted_per_depth), hop_ms=dict(stats.hop_ms),
         tree_sizes=list(stats.tree_sizes), prefetch_hits=stats.prefetch_hits, prefetch_misses=stats.prefetch_misses,
-        prefetch_saved_ms=stats.prefetch_saved_ms)
+        prefetch_saved_ms=stats.prefetch_saved_ms,
+        drafted_through_text={name: counts[0] for name, counts in stats.translated_per_proposer.items()},
+        survived_through_text={name: counts[1] for name, counts in stats.translated_per_proposer.items()})
 
 
 def finish_reason(reason: str | None) -> int:

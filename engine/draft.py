@@ -41,8 +41,12 @@ class Draws:
 
 @dataclass(frozen=True)
 class Proposal:
+    """A proposer's (or a merged) tree and draws. ``translated``: per draft through text
+    (``engine.cross_vocab``), (proposer, SSM tokens drafted, target tokens proposed)."""
+
     tree: TokenTree
     draws: Draws
+    translated: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,12 @@ def _set_or_drop(table: dict, state, value) -> None:
         table.pop(state, None)
     else:
         table[state] = value
+
+
+def is_neural(drafter) -> bool:
+    """Whether a proposer is a model (``neural`` in ``engine.step.plan_proposers``): a ModelDrafter, or
+    a drafter that says so (``engine.cross_vocab.CrossVocabDrafter``); the suffix proposer is not."""
+    return isinstance(drafter, ModelDrafter) or bool(getattr(drafter, "neural", False))
 
 
 class ModelDrafter:

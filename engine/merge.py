@@ -52,7 +52,8 @@ def _reorder(tokens, parents, order, proposals, draw_nodes) -> Proposal:
         q=_concat_q(proposals),
         deterministic=torch.cat([p.draws.deterministic for p in proposals]),
     )
-    return Proposal(TokenTree(new_tokens, new_parents), draws)
+    translated = tuple(entry for p in proposals for entry in p.translated)
+    return Proposal(TokenTree(new_tokens, new_parents), draws, translated)
 
 
 def _concat_q(proposals: Sequence[Proposal]) -> torch.Tensor | None:  # -> [M, V]

@@ -266,7 +266,8 @@ def check_same_vocabulary(target: LoadedModel, other: LoadedModel) -> None:
         raise ValueError(
             f"SSM {other.spec.name!r} ({other.spec.source}, vocab {other_size}) does not share the "
             f"vocabulary of target {target.spec.name!r} ({target.spec.source}, vocab {target_size}); "
-            "speculative decoding needs one vocabulary"
+            "speculative decoding needs one vocabulary, or set cross_vocabulary: true on the SSM to "
+            "draft through text (its tokens re-encoded into the target's vocabulary)"
         )
 
 

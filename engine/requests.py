@@ -81,6 +81,7 @@ class StepOutcome:
     prefetch_hits: int = 0  # proposers whose tree was drafted ahead for this outcome (engine.prefetch)
     prefetch_misses: int = 0  # proposers that had drafted ahead for other outcomes
     prefetch_saved_ms: float = 0.0  # drafting ms the hits did not wait for
+    translated: tuple[tuple[int, int, int], ...] = ()  # drafts through text: (proposer, drafted, survived)
 
 
 @dataclass
@@ -106,6 +107,8 @@ class GenerationStats:
     prefetch_hits: int = 0  # summed over steps and proposers (StepOutcome)
     prefetch_misses: int = 0
     prefetch_saved_ms: float = 0.0
+    # drafts through text (engine.cross_vocab): proposer -> [SSM tokens drafted, target tokens that survived]
+    translated_per_proposer: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def tokens_per_step(self) -> float:
@@ -129,6 +132,7 @@ class GenerationStats:
             "accepted_per_depth": list(self.accepted_per_depth), "hop_ms": dict(self.hop_ms),
             "tree_sizes": list(self.tree_sizes), "prefetch_hits": self.prefetch_hits,
             "prefetch_misses": self.prefetch_misses, "prefetch_saved_ms": self.prefetch_saved_ms,
+            "translated_per_proposer": {name: list(counts) for name, counts in self.translated_per_proposer.items()},
         }
 
 

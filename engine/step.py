@@ -201,7 +201,7 @@ def step_outcome(drafted: Drafted, verdict: Verdict, verify_ms: float) -> StepOu
     return StepOutcome(tuple(proposal.tree.tokens[accepted].tolist()) + (verdict.next_token,),
                        tuple(int(node_depths[node]) for node in accepted), by, proposal.tree.size - 1,
                        drafted.draft_ms, drafted.merge_ms, verify_ms,
-                       prefetched.hits, prefetched.misses, prefetched.saved_ms)
+                       prefetched.hits, prefetched.misses, prefetched.saved_ms, proposal.translated)
 
 
 # -- Where the phases run. --------------------------------------------------------------------
@@ -380,6 +380,10 @@ def record_step(stats: GenerationStats, outcome: StepOutcome, names: Sequence[st
     stats.prefetch_hits += outcome.prefetch_hits
     stats.prefetch_misses += outcome.prefetch_misses
     stats.prefetch_saved_ms += outcome.prefetch_saved_ms
+    for proposer, drafted, survived in outcome.translated:
+        counts = stats.translated_per_proposer.setdefault(names[proposer], [0, 0])
+        counts[0] += drafted
+        counts[1] += survived
 
 
 def take_new_tokens(new: Sequence[int], generated: int, max_new_tokens: int, eos_ids) -> tuple[list[int], str | None]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/specinfer.proto\x12\x0cspecinfer.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x88\x02\n\x12SpeculationOptions\x12+\n\x04mode\x18\x01 \x01(\x0e\x32\x1d.specinfer.v1.SpeculationMode\x12\x11\n\texpansion\x18\x02 \x03(\x05\x12\x0c\n\x04ssms\x18\x03 \x03(\t\x12,\n\x08\x63hildren\x18\x04 \x01(\x0e\x32\x1a.specinfer.v1.ChildrenRule\x12\x1b\n\x0esequence_depth\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\x08\x61\x64\x61ptive\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x15\n\x08prefetch\x18\x07 \x01(\x05H\x02\x88\x01\x01\x42\x11\n\x0f_sequence_depthB\x0b\n\t_adaptiveB\x0b\n\t_prefetch\"\xda\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.specinfer.v1.ChatMessage\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12:\n\x0bspeculation\x18\t \x01(\x0b\x32 .specinfer.v1.SpeculationOptionsH\x05\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0e\n\x0c_speculation\"\xc5\x04\n\x0fGenerationStats\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x14\n\x0ctarget_steps\x18\x02 \x01(\x03\x12\x12\n\nnew_tokens\x18\x03 \x01(\x03\x12\x17\n\x0ftokens_per_step\x18\x04 \x01(\x01\x12\x14\n\x0cms_per_token\x18\x05 \x01(\x01\x12\x10\n\x08\x64raft_ms\x18\x06 \x01(\x01\x12\x11\n\tverify_ms\x18\x07 \x01(\x01\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\x12\x14\n\x0c\x64raft_tokens\x18\t \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\n \x01(\x03\x12K\n\x10\x61\x63\x63\x65pted_per_ssm\x18\x0b \x03(\x0b\x32\x31.specinfer.v1.GenerationStats.AcceptedPerSsmEntry\x12\x1a\n\x12\x61\x63\x63\x65pted_per_depth\x18\x0c \x03(\x03\x12\x38\n\x06hop_ms\x18\r \x03(\x0b\x32(.specinfer.v1.GenerationStats.HopMsEntry\x12\x12\n\ntree_sizes\x18\x0e \x03(\x05\x12\x15\n\rprefetch_hits\x18\x0f \x01(\x03\x12\x17\n\x0fprefetch_misses\x18\x10 \x01(\x03\x12\x19\n\x11prefetch_saved_ms\x18\x11 \x01(\x01\x1a\x35\n\x13\x41\x63\x63\x65ptedPerSsmEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a,\n\nHopMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x94\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.specinfer.v1.FinishReason\x12,\n\x05stats\x18\x04 \x01(\x0b\x32\x1d.specinfer.v1.GenerationStats\"\x91\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.specinfer.v1.FinishReason\x12,\n\x05stats\x18\x04 \x01(\x0b\x32\x1d.specinfer.v1.GenerationStats*\x8f\x01\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12 \n\x1cSPECULATION_MODE_INCREMENTAL\x10\x01\x12\x1d\n\x19SPECULATION_MODE_SEQUENCE\x10\x02\x12\x19\n\x15SPECULATION_MODE_TREE\x10\x03*\x90\x01\n\x0c\x43hildrenRule\x12\x1d\n\x19\x43HILDREN_RULE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43HILDREN_RULE_TOP_K\x10\x01\x12\x19\n\x15\x43HILDREN_RULE_SAMPLED\x10\x02\x12-\n)CHILDREN_RULE_SAMPLED_WITHOUT_REPLACEMENT\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xa6\x01\n\tSpecInfer\x12I\n\x08Generate\x12\x1d.specinfer.v1.GenerateRequest\x1a\x1e.specinfer.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.specinfer.v1.GenerateRequest\x1a\x1b.specinfer.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/specinfer.proto\x12\x0cspecinfer.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x88\x02\n\x12SpeculationOptions\x12+\n\x04mode\x18\x01 \x01(\x0e\x32\x1d.specinfer.v1.SpeculationMode\x12\x11\n\texpansion\x18\x02 \x03(\x05\x12\x0c\n\x04ssms\x18\x03 \x03(\t\x12,\n\x08\x63hildren\x18\x04 \x01(\x0e\x32\x1a.specinfer.v1.ChildrenRule\x12\x1b\n\x0esequence_depth\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\x08\x61\x64\x61ptive\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x15\n\x08prefetch\x18\x07 \x01(\x05H\x02\x88\x01\x01\x42\x11\n\x0f_sequence_depthB\x0b\n\t_adaptiveB\x0b\n\t_prefetch\"\xda\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.specinfer.v1.ChatMessage\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12:\n\x0bspeculation\x18\t \x01(\x0b\x32 .specinfer.v1.SpeculationOptionsH\x05\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0e\n\x0c_speculation\"\xe8\x06\n\x0fGenerationStats\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x14\n\x0ctarget_steps\x18\x02 \x01(\x03\x12\x12\n\nnew_tokens\x18\x03 \x01(\x03\x12\x17\n\x0ftokens_per_step\x18\x04 \x01(\x01\x12\x14\n\x0cms_per_token\x18\x05 \x01(\x01\x12\x10\n\x08\x64raft_ms\x18\x06 \x01(\x01\x12\x11\n\tverify_ms\x18\x07 \x01(\x01\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\x12\x14\n\x0c\x64raft_tokens\x18\t \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\n \x01(\x03\x12K\n\x10\x61\x63\x63\x65pted_per_ssm\x18\x0b \x03(\x0b\x32\x31.specinfer.v1.GenerationStats.AcceptedPerSsmEntry\x12\x1a\n\x12\x61\x63\x63\x65pted_per_depth\x18\x0c \x03(\x03\x12\x38\n\x06hop_ms\x18\r \x03(\x0b\x32(.specinfer.v1.GenerationStats.HopMsEntry\x12\x12\n\ntree_sizes\x18\x0e \x03(\x05\x12\x15\n\rprefetch_hits\x18\x0f \x01(\x03\x12\x17\n\x0fprefetch_misses\x18\x10 \x01(\x03\x12\x19\n\x11prefetch_saved_ms\x18\x11 \x01(\x01\x12S\n\x14\x64rafted_through_text\x18\x12 \x03(\x0b\x32\x35.specinfer.v1.GenerationStats.DraftedThroughTextEntry\x12U\n\x15survived_through_text\x18\x13 \x03(\x0b\x32\x36.specinfer.v1.GenerationStats.SurvivedThroughTextEntry\x1a\x35\n\x13\x41\x63\x63\x65ptedPerSsmEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a,\n\nHopMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x39\n\x17\x44raftedThroughTextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a:\n\x18SurvivedThroughTextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x94\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.specinfer.v1.FinishReason\x12,\n\x05stats\x18\x04 \x01(\x0b\x32\x1d.specinfer.v1.GenerationStats\"\x91\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.specinfer.v1.FinishReason\x12,\n\x05stats\x18\x04 \x01(\x0b\x32\x1d.specinfer.v1.GenerationStats*\x8f\x01\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12 \n\x1cSPECULATION_MODE_INCREMENTAL\x10\x01\x12\x1d\n\x19SPECULATION_MODE_SEQUENCE\x10\x02\x12\x19\n\x15SPECULATION_MODE_TREE\x10\x03*\x90\x01\n\x0c\x43hildrenRule\x12\x1d\n\x19\x43HILDREN_RULE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43HILDREN_RULE_TOP_K\x10\x01\x12\x19\n\x15\x43HILDREN_RULE_SAMPLED\x10\x02\x12-\n)CHILDREN_RULE_SAMPLED_WITHOUT_REPLACEMENT\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xa6\x01\n\tSpecInfer\x12I\n\x08Generate\x12\x1d.specinfer.v1.GenerateRequest\x1a\x1e.specinfer.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.specinfer.v1.GenerateRequest\x1a\x1b.specinfer.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,12 +35,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATIONSTATS_ACCEPTEDPERSSMENTRY']._serialized_options = b'8\001'
   _globals['_GENERATIONSTATS_HOPMSENTRY']._loaded_options = None
   _globals['_GENERATIONSTATS_HOPMSENTRY']._serialized_options = b'8\001'
-  _globals['_SPECULATIONMODE']._serialized_start=1586
-  _globals['_SPECULATIONMODE']._serialized_end=1729
-  _globals['_CHILDRENRULE']._serialized_start=1732
-  _globals['_CHILDRENRULE']._serialized_end=1876
-  _globals['_FINISHREASON']._serialized_start=1878
-  _globals['_FINISHREASON']._serialized_end=2002
+  _globals['_GENERATIONSTATS_DRAFTEDTHROUGHTEXTENTRY']._loaded_options = None
+  _globals['_GENERATIONSTATS_DRAFTEDTHROUGHTEXTENTRY']._serialized_options = b'8\001'
+  _globals['_GENERATIONSTATS_SURVIVEDTHROUGHTEXTENTRY']._loaded_options = None
+  _globals['_GENERATIONSTATS_SURVIVEDTHROUGHTEXTENTRY']._serialized_options = b'8\001'
+  _globals['_SPECULATIONMODE']._serialized_start=1877
+  _globals['_SPECULATIONMODE']._serialized_end=2020
+  _globals['_CHILDRENRULE']._serialized_start=2023
+  _globals['_CHILDRENRULE']._serialized_end=2167
+  _globals['_FINISHREASON']._serialized_start=2169
+  _globals['_FINISHREASON']._serialized_end=2293
   _globals['_CHATMESSAGE']._serialized_start=40
   _globals['_CHATMESSAGE']._serialized_end=84
   _globals['_SPECULATIONOPTIONS']._serialized_start=87
@@ -48,15 +52,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=354
   _globals['_GENERATEREQUEST']._serialized_end=700
   _globals['_GENERATIONSTATS']._serialized_start=703
-  _globals['_GENERATIONSTATS']._serialized_end=1284
-  _globals['_GENERATIONSTATS_ACCEPTEDPERSSMENTRY']._serialized_start=1185
-  _globals['_GENERATIONSTATS_ACCEPTEDPERSSMENTRY']._serialized_end=1238
-  _globals['_GENERATIONSTATS_HOPMSENTRY']._serialized_start=1240
-  _globals['_GENERATIONSTATS_HOPMSENTRY']._serialized_end=1284
-  _globals['_GENERATERESPONSE']._serialized_start=1287
-  _globals['_GENERATERESPONSE']._serialized_end=1435
-  _globals['_GENERATECHUNK']._serialized_start=1438
-  _globals['_GENERATECHUNK']._serialized_end=1583
-  _globals['_SPECINFER']._serialized_start=2005
-  _globals['_SPECINFER']._serialized_end=2171
+  _globals['_GENERATIONSTATS']._serialized_end=1575
+  _globals['_GENERATIONSTATS_ACCEPTEDPERSSMENTRY']._serialized_start=1357
+  _globals['_GENERATIONSTATS_ACCEPTEDPERSSMENTRY']._serialized_end=1410
+  _globals['_GENERATIONSTATS_HOPMSENTRY']._serialized_start=1412
+  _globals['_GENERATIONSTATS_HOPMSENTRY']._serialized_end=1456
+  _globals['_GENERATIONSTATS_DRAFTEDTHROUGHTEXTENTRY']._serialized_start=1458
+  _globals['_GENERATIONSTATS_DRAFTEDTHROUGHTEXTENTRY']._serialized_end=1515
+  _globals['_GENERATIONSTATS_SURVIVEDTHROUGHTEXTENTRY']._serialized_start=1517
+  _globals['_GENERATIONSTATS_SURVIVEDTHROUGHTEXTENTRY']._serialized_end=1575
+  _globals['_GENERATERESPONSE']._serialized_start=1578
+  _globals['_GENERATERESPONSE']._serialized_end=1726
+  _globals['_GENERATECHUNK']._serialized_start=1729
+  _globals['_GENERATECHUNK']._serialized_end=1874
+  _globals['_SPECINFER']._serialized_start=2296
+  _globals['_SPECINFER']._serialized_end=2462
 # @@protoc_insertion_point(module_scope)

@@ -89,7 +89,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("mode", "target_steps", "new_tokens", "tokens_per_step", "ms_per_token", "draft_ms", "verify_ms", "total_ms", "draft_tokens", "accepted_tokens", "accepted_per_ssm", "accepted_per_depth", "hop_ms", "tree_sizes", "prefetch_hits", "prefetch_misses", "prefetch_saved_ms")
+    __slots__ = ("mode", "target_steps", "new_tokens", "tokens_per_step", "ms_per_token", "draft_ms", "verify_ms", "total_ms", "draft_tokens", "accepted_tokens", "accepted_per_ssm", "accepted_per_depth", "hop_ms", "tree_sizes", "prefetch_hits", "prefetch_misses", "prefetch_saved_ms", "drafted_through_text", "survived_through_text")
     class AcceptedPerSsmEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,20 @@ class GenerationStats(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class DraftedThroughTextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class SurvivedThroughTextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MODE_FIELD_NUMBER: _ClassVar[int]
     TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +135,8 @@ class GenerationStats(_message.Message):
     PREFETCH_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_MISSES_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_SAVED_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_THROUGH_TEXT_FIELD_NUMBER: _ClassVar[int]
+    SURVIVED_THROUGH_TEXT_FIELD_NUMBER: _ClassVar[int]
     mode: str
     target_steps: int
     new_tokens: int
@@ -138,7 +154,9 @@ class GenerationStats(_message.Message):
     prefetch_hits: int
     prefetch_misses: int
     prefetch_saved_ms: float
-    def __init__(self, mode: _Optional[str] = ..., target_steps: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., ms_per_token: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_ssm: _Optional[_Mapping[str, int]] = ..., accepted_per_depth: _Optional[_Iterable[int]] = ..., hop_ms: _Optional[_Mapping[str, float]] = ..., tree_sizes: _Optional[_Iterable[int]] = ..., prefetch_hits: _Optional[int] = ..., prefetch_misses: _Optional[int] = ..., prefetch_saved_ms: _Optional[float] = ...) -> None: ...
+    drafted_through_text: _containers.ScalarMap[str, int]
+    survived_through_text: _containers.ScalarMap[str, int]
+    def __init__(self, mode: _Optional[str] = ..., target_steps: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., ms_per_token: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_ssm: _Optional[_Mapping[str, int]] = ..., accepted_per_depth: _Optional[_Iterable[int]] = ..., hop_ms: _Optional[_Mapping[str, float]] = ..., tree_sizes: _Optional[_Iterable[int]] = ..., prefetch_hits: _Optional[int] = ..., prefetch_misses: _Optional[int] = ..., prefetch_saved_ms: _Optional[float] = ..., drafted_through_text: _Optional[_Mapping[str, int]] = ..., survived_through_text: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")

@@ -52,6 +52,10 @@ class ModelConfig(Strict):
     num_layers: int | None = Field(default=None, ge=1, description="keep only the first N layers")
     quantize: Literal["none", "int8"] = "none"
     offload: OffloadConfig | None = Field(default=None, description="target only: stream the weights per pass")
+    cross_vocabulary: bool = Field(
+        default=False, description="SSM only: its tokenizer differs from the target's (another model family); it "
+                                   "drafts through text, its tokens decoded and re-encoded into the target's "
+                                   "vocabulary, each proposed token a point mass (engine.cross_vocab)")
 
 
 class SuffixConfig(Strict):
@@ -284,6 +288,9 @@ class EngineConfig(Strict):
             raise ValueError(f"SSM names must be unique, got {names}")
         self._threads_fit_requests()
         self._offload_fits()
+        if self.target.cross_vocabulary:
+            raise ValueError("target.cross_vocabulary: only an SSM drafts through text; the target's tokenizer is "
+                             "the one every proposal is re-encoded into")
         return self
 
     def _offload_fits(self) -> None:

@@ -18,6 +18,18 @@ settings.register_profile("specinfer", derandomize=True, database=None, deadline
 settings.load_profile("specinfer")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors run faster on one thread, and do not fight other processes for the cores (a
+    module's ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def models_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The model cache `specinfer models fetch` fills (``$SPECINFER_MODELS`` or the default)."""

@@ -61,13 +61,7 @@ WARPED = SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
 TOP5 = SamplingParams(temperature=1.0, top_k=5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors run faster on one thread, and do not fight other processes for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def report(name: str, result) -> None:
