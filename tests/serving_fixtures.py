@@ -184,7 +184,8 @@ def own_app(serving: str, args: dict, name: str, route_prefix: str, deployments:
             client.wait_ready(300)
             yield client, serve.get_app_handle(name), f"http://{http.host}:{http.port}{route_prefix}"
     finally:
-        serve.delete(name)
+        serve.delete(name, _blocking=False)  # its own wait polls once a second
+        assert wait_until(lambda: name not in serve.status().applications, timeout_s=120), f"{name} not deleted"
 
 
 def http_health(url: str) -> tuple[int, str]:

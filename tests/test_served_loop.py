@@ -12,14 +12,15 @@ import grpc
 import pytest
 
 from cluster.serve_client import Client, build_request
-from serving_fixtures import (local_engine, own_app, ray_session, serving, tiny_args, tiny_models,  # noqa: F401
-                              wait_until)
+from serving_fixtures import (local_engine, loop_hold, own_app, ray_session, serving, tiny_args,  # noqa: F401
+                              tiny_models, wait_until)
 from test_serving import local_result
 
 LOOP_APP = "specinfer-loop"
 PROMPTS = ["def add(a, b):", "Hello wörld", "x = [i * i for i in range(10)]", "SELECT * FROM t WHERE",
            "The quick brown fox", "import os, sys", "while True: pass", "print('speculative')"]
 RUNNING, WAITING = 2, 6
+QUEUED_TOKENS = 16  # each of the eight requests that fill the batch and the queue
 
 
 @pytest.fixture(scope="module")
@@ -93,19 +94,23 @@ def test_seeded_sampling_through_the_loop_equals_the_in_process_engine(loop_app,
 
 
 @pytest.mark.ray
-def test_past_the_queue_a_request_is_refused_with_the_bound(loop_app):
-    """Eight long requests fill the batch and the queue (held until the ingress counts all eight);
-    the ninth gets RESOURCE_EXHAUSTED naming both settings; the eight then finish."""
+def test_past_the_queue_a_request_is_refused_with_the_bound(loop_app, tmp_path):
+    """Eight requests fill the batch and the queue (the verifier's loop calls held, so none ends, until
+    the ingress counts all eight); the ninth gets RESOURCE_EXHAUSTED naming both settings; the eight
+    then finish."""
     address, handle = loop_app
+    verifier = handle.actors.remote().result()["verifier"]
     clients = [Client(address, LOOP_APP) for _ in range(RUNNING + WAITING)]
-    calls = [c.stream(build_request(PROMPTS[i], max_new_tokens=300), timeout=600) for i, c in enumerate(clients)]
     try:
-        assert wait_until(lambda: handle.num_active.remote().result() == RUNNING + WAITING, timeout_s=60)
-        with Client(address, LOOP_APP) as client, pytest.raises(grpc.RpcError) as refused:
-            client.generate(build_request("one too many", max_new_tokens=4), timeout=60)
+        with loop_hold(verifier, tmp_path):  # no verifier pass ends inside: all eight stay in flight
+            calls = [c.stream(build_request(PROMPTS[i], max_new_tokens=QUEUED_TOKENS), timeout=600)
+                     for i, c in enumerate(clients)]
+            assert wait_until(lambda: handle.num_active.remote().result() == RUNNING + WAITING, timeout_s=60)
+            with Client(address, LOOP_APP) as client, pytest.raises(grpc.RpcError) as refused:
+                client.generate(build_request("one too many", max_new_tokens=4), timeout=60)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "server.max_concurrent_requests + server.max_waiting_requests is 8" in refused.value.details()
-        assert all(len([t for chunk in call for t in chunk.token_ids]) == 300 for call in calls)
+        assert all(len([t for chunk in call for t in chunk.token_ids]) == QUEUED_TOKENS for call in calls)
     finally:
         for client in clients:
             client.close()
