@@ -103,6 +103,9 @@ def test_default_qwen_pair_fp32(qwen_models_dir, cpu_linears):
         "target": {"name": "qwen1.5b", "source": "qwen2.5-coder-1.5b-instruct"},
         "ssms": [{"name": "qwen0.5b", "source": "qwen2.5-coder-0.5b-instruct"}],
         "suffix": {"name": "suffix"},
+        # the schedule, not the cost policy: no verify-cost curve measured at build (seconds on the
+        # 1.5B target in fp32); cost-aware shapes on a real model: test_smollm2_cost_aware_with_itself
+        "speculation": {"policy": "schedule"},
     })
     engine = build_engine(config)
     kinds = {type(m) for m in engine.target.model.modules()}
