@@ -105,7 +105,7 @@ def decode(engine: SpeculativeEngine, streamed, method: str, prompt: list[int], 
 
 def bytes_per_layer(streamed) -> int:
     plan = next(iter(streamer_of(streamed).source.plans.values()))
-    return sum(p.entry.end - p.entry.start for p in plan.pieces)
+    return sum(p.entry.end - p.entry.offset for p in plan.pieces)
 
 
 def main() -> int:

@@ -51,6 +51,11 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int
 
+    @property
+    def end(self) -> int:
+        """The file offset just past the tensor's last byte."""
+        return self.offset + math.prod(self.shape) * self.dtype.itemsize
+
 
 @dataclass(frozen=True)
 class Block:

@@ -22,11 +22,9 @@ overlaps computing layer i; after the last layer it goes on with the next pass's
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import os
-import struct
 import threading
 import time
 from collections import deque
@@ -37,13 +35,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from .checkpoint import parameters_on_meta
+from .checkpoint import Checkpoint, TensorEntry, checkpoint_names, parameters_on_meta
 from .models import DTYPES, LoadedModel, ModelSpec, attention_for, check_architecture, pretrained_args, resolve_device
 
 logger = logging.getLogger(__name__)
 
 ALIGN = 4096  # O_DIRECT needs offset, length and buffer aligned to the logical block size (<= 4 KiB)
-FILE_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
 TIERS = ("disk", "host")
 
 
@@ -62,41 +59,6 @@ class OffloadSpec:
             raise ValueError(f"offload tier must be one of {TIERS}, got {self.tier!r}")
         if self.resident_layers < 0 or self.prefetch_layers < 1 or self.read_threads < 1:
             raise ValueError("offload needs resident_layers >= 0, prefetch_layers >= 1 and read_threads >= 1")
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a safetensors file: absolute byte span [start, end) in ``path``."""
-
-    path: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-
-def read_index(directory: str) -> dict[str, TensorEntry]:
-    """Every tensor of the safetensors file(s) in ``directory`` (one file or a sharded index)."""
-    root = Path(directory)
-    index = root / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-    entries: dict[str, TensorEntry] = {}
-    for name in files:
-        path = root / name
-        if not path.exists():
-            raise ValueError(f"offloading needs safetensors weights: {path} does not exist")
-        with open(path, "rb") as handle:
-            size = struct.unpack("<Q", handle.read(8))[0]
-            header = json.loads(handle.read(size))
-        base = 8 + size
-        for key, meta in header.items():
-            if key == "__metadata__":
-                continue
-            if meta["dtype"] not in FILE_DTYPES:
-                raise ValueError(f"{path}: tensor {key} has dtype {meta['dtype']}, not one of {sorted(FILE_DTYPES)}")
-            begin, end = meta["data_offsets"]
-            entries[key] = TensorEntry(str(path), FILE_DTYPES[meta["dtype"]], tuple(meta["shape"]), base + begin, base + end)
-    return entries
 
 
 @dataclass(frozen=True)
@@ -133,21 +95,21 @@ def plan_layer(named: dict[str, TensorEntry], gap: int = 1 << 20) -> LayerPlan:
     Example: tensors at [5000, 6000) and [6000, 9000) of one file -> one run [4096, 12288) into
     slot byte 0; the pieces lie at slot bytes 904 and 1904.
     """
-    order = sorted(named.items(), key=lambda item: (item[1].path, item[1].start))
+    order = sorted(named.items(), key=lambda item: (item[1].path, item[1].offset))
     runs, pieces, into = [], [], 0
     group: list[tuple[str, TensorEntry]] = []
 
     def flush() -> None:
         nonlocal into
-        start = group[0][1].start // ALIGN * ALIGN
+        start = group[0][1].offset // ALIGN * ALIGN
         end = -(-max(e.end for _, e in group) // ALIGN) * ALIGN
         runs.append(Run(group[0][1].path, start, end - start, into))
-        pieces.extend(Piece(key, into + e.start - start, e) for key, e in group)
+        pieces.extend(Piece(key, into + e.offset - start, e) for key, e in group)
         into += end - start
         group.clear()
 
     for key, entry in order:
-        if group and (entry.path != group[-1][1].path or entry.start - group[-1][1].end > gap):
+        if group and (entry.path != group[-1][1].path or entry.offset - group[-1][1].end > gap):
             flush()
         group.append((key, entry))
     if group:
@@ -203,12 +165,12 @@ class DiskReader:
 
 def read_tensor(entry: TensorEntry, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One tensor read with plain I/O (resident weights, the host tier), its pages dropped after."""
-    data = bytearray(entry.end - entry.start)
+    data = bytearray(entry.end - entry.offset)
     with open(entry.path, "rb", buffering=0) as handle:
-        handle.seek(entry.start)
+        handle.seek(entry.offset)
         if handle.readinto(data) != len(data):
-            raise OSError(f"short read of {entry.path} at {entry.start}")
-        os.posix_fadvise(handle.fileno(), entry.start, len(data), os.POSIX_FADV_DONTNEED)
+            raise OSError(f"short read of {entry.path} at {entry.offset}")
+        os.posix_fadvise(handle.fileno(), entry.offset, len(data), os.POSIX_FADV_DONTNEED)
     raw = torch.frombuffer(data, dtype=torch.uint8).view(entry.dtype).view(entry.shape)
     return raw.to(device=device, dtype=dtype, copy=True)
 
@@ -248,7 +210,7 @@ class LayerSource:
             return self._to_device(self.host[index])
         plan, buffer = self.plans[index], self.buffers[slot]
         self.reader.read(plan.runs, buffer)
-        views = {p.key: torch.frombuffer(buffer, dtype=torch.uint8, count=p.entry.end - p.entry.start,
+        views = {p.key: torch.frombuffer(buffer, dtype=torch.uint8, count=p.entry.end - p.entry.offset,
                                          offset=p.offset).view(p.entry.dtype).view(p.entry.shape) for p in plan.pieces}
         if self.device.type == "cpu" and all(v.dtype == self.dtype for v in views.values()):
             return Fetched(views)  # zero copy: the slot's buffer is the layer's weights until released
@@ -443,10 +405,16 @@ def load_offloaded(spec: ModelSpec, offload: OffloadSpec, attn_implementation: s
         for name, buffer in list(module._buffers.items()):
             if buffer is not None:
                 module._buffers[name] = buffer.to(device)
-    entries = read_index(source)
+    try:
+        checkpoint = Checkpoint.open(source)
+    except FileNotFoundError:
+        raise ValueError(f"offloading needs safetensors weights: {source}/model.safetensors (or an index of "
+                         "safetensors files) does not exist") from None
+    entries = checkpoint.entries
     layers = model.model.layers
     streamed = list(range(min(offload.resident_layers, len(layers)), len(layers)))
-    names = _checkpoint_names(model, entries)
+    by_name = checkpoint_names(model, checkpoint)  # tied parameters share one checkpoint tensor
+    names = {id(param): by_name[name] for name, param in model.named_parameters(remove_duplicate=False)}
     _load_resident(model, entries, names, {id(p) for i in streamed for p in layers[i].parameters()}, dtype, device)
     if streamed:
         plans = {i: plan_layer({k: entries[names[id(p)]] for k, p in layers[i].named_parameters()}) for i in streamed}
@@ -462,18 +430,6 @@ def _load_generation_config(model, source: str, kwargs: dict) -> None:
         model.generation_config = GenerationConfig.from_pretrained(source, **kwargs)
     except (OSError, ValueError):  # no generation_config.json: from_config's default stays
         pass
-
-
-def _checkpoint_names(model, entries: dict[str, TensorEntry]) -> dict[int, str]:
-    """Each parameter (by id) -> its name in the checkpoint; tied parameters share one entry."""
-    names: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if name in entries:
-            names.setdefault(id(param), name)
-    missing = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in names]
-    if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} parameters the model needs, e.g. {missing[:3]}")
-    return names
 
 
 def _load_resident(model, entries, names: dict[int, str], streamed: set[int], dtype, device) -> None:

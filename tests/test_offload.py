@@ -13,7 +13,8 @@ import torch
 from engine.draft import ModelDrafter
 from engine.generate import SpeculativeEngine
 from engine.models import ModelSpec
-from engine.offload import ALIGN, OffloadSpec, TensorEntry, load_offloaded, plan_layer, read_index, streamer_of
+from engine.checkpoint import Checkpoint, TensorEntry
+from engine.offload import ALIGN, OffloadSpec, load_offloaded, plan_layer, streamer_of
 from engine.paged_models import PagedTarget, paged_parts
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.target import TargetModel
@@ -63,7 +64,7 @@ def offloaded(directory: Path, spec: OffloadSpec):
     ([("b", 8192, 8200), ("a", 4096, 8192)], [(4096, 8192, 0)], {"a": 0, "b": 4096}),
 ])
 def test_plan_layer(spans, expected_runs, expected_offsets):
-    named = {key: TensorEntry("f", torch.float32, ((end - start) // 4,), start, end) for key, start, end in spans}
+    named = {key: TensorEntry(Path("f"), torch.float32, ((end - start) // 4,), start) for key, start, end in spans}
     plan = plan_layer(named)
     assert [(r.start, r.length, r.into) for r in plan.runs] == expected_runs
     assert {p.key: p.offset for p in plan.pieces} == expected_offsets
@@ -71,16 +72,17 @@ def test_plan_layer(spans, expected_runs, expected_offsets):
     assert plan.nbytes == sum(r.length for r in plan.runs)
 
 
-def test_read_index_matches_the_saved_tensors(tiny_dirs):
+def test_checkpoint_entries_match_the_saved_tensors(tiny_dirs):
+    """The byte spans the layer plans read (engine.checkpoint's header reader)."""
     from safetensors.torch import load_file
 
-    entries = read_index(str(tiny_dirs["target"]))
+    entries = Checkpoint.open(tiny_dirs["target"]).entries
     saved = load_file(tiny_dirs["target"] / "model.safetensors")
     assert set(entries) == set(saved)
     with open(tiny_dirs["target"] / "model.safetensors", "rb") as handle:
         for key, entry in entries.items():
-            handle.seek(entry.start)
-            raw = torch.frombuffer(bytearray(handle.read(entry.end - entry.start)), dtype=torch.uint8)
+            handle.seek(entry.offset)
+            raw = torch.frombuffer(bytearray(handle.read(entry.end - entry.offset)), dtype=torch.uint8)
             assert torch.equal(raw.view(entry.dtype).view(entry.shape), saved[key])
 
 
@@ -136,8 +138,8 @@ def test_disk_tier_reads_the_file_every_pass(tiny_dirs, direct):
     layers' size; dropping pages after plain reads (direct_io: false) is best effort (the kernel
     may keep pages it has not yet put on its LRU lists), so there only the reads are counted."""
     model = offloaded(tiny_dirs["target"], OffloadSpec("disk", 0, 1, direct_io=direct))
-    entries = read_index(str(tiny_dirs["target"]))
-    layer_bytes = sum(e.end - e.start for k, e in entries.items() if k.startswith("model.layers."))
+    entries = Checkpoint.open(tiny_dirs["target"]).entries
+    layer_bytes = sum(e.end - e.offset for k, e in entries.items() if k.startswith("model.layers."))
     target = TargetModel(model)
     state = target.new_state()
     target.prefill(state, PROMPT)
