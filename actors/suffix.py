@@ -69,6 +69,8 @@ class SuffixDrafter:
     starts the request with [3, 5, 9, 3] and feeds [5]; context [..., 3, 5] matched [3, 5] -> 9.
     """
 
+    neural = False  # model-free (``engine.step.plan_proposers``)
+
     def __init__(self, proposer: int, config: SuffixConfig = SuffixConfig()):
         self.proposer, self.name, self.config = proposer, config.name, config
         self.shared = SuffixDecodingCache(config.max_tree_depth, config.max_cached_requests)

@@ -216,14 +216,10 @@ def _set_or_drop(table: dict, state, value) -> None:
         table[state] = value
 
 
-def is_neural(drafter) -> bool:
-    """Whether a proposer is a model (``neural`` in ``engine.step.plan_proposers``): a ModelDrafter, or
-    a drafter that says so (``engine.cross_vocab.CrossVocabDrafter``); the suffix proposer is not."""
-    return isinstance(drafter, ModelDrafter) or bool(getattr(drafter, "neural", False))
-
-
 class ModelDrafter:
     """A neural SSM drafting a whole tree level per forward with the tree attention mask."""
+
+    neural = True  # a model (``engine.step.plan_proposers``); the suffix proposer's is False
 
     own_stream = True  # on CUDA, drafting may run on a stream of its own (on_own_stream)
     clock = staticmethod(time.perf_counter)  # seconds; cost-aware shapes time the draft and its forwards with it

@@ -5,7 +5,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Sequence
 
-from .draft import ModelDrafter, is_neural
+from .draft import ModelDrafter
 from .graphed_models import GraphedTarget
 from .phases import local_loop
 from .loop import LoopLimits
@@ -86,7 +86,7 @@ class SpeculativeEngine:
         self.target, self.drafters, self.tokenizer = target, list(drafters), tokenizer
         self.eos_ids = frozenset(eos_ids)
         self.names = tuple(d.name for d in self.drafters)
-        self.neural = tuple(is_neural(d) for d in self.drafters)
+        self.neural = tuple(d.neural for d in self.drafters)
         self.max_context = max_context or getattr(target.model.config, "max_position_embeddings", None)
         # drafting ahead (SpeculationOptions.prefetch): a thread per proposer, made on first use
         self.pool = ThreadPoolExecutor(max(1, len(self.drafters)), thread_name_prefix="prefetch")

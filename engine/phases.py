@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .draft import ModelDrafter, is_neural
+from .draft import ModelDrafter
 from .kv_pool import PoolExhausted, StateLost
 from .loop import DraftJob, EngineLoop, LoopLimits
 from .paged_models import PagedTarget
@@ -176,7 +176,7 @@ class LocalExecutor:
     def __init__(self, target: Target, drafters: Sequence[object], chunk_tokens: int | None = None):
         self.target, self.drafters = target, list(drafters)
         self.names = tuple(d.name for d in self.drafters)
-        self.neural = tuple(is_neural(d) for d in self.drafters)
+        self.neural = tuple(d.neural for d in self.drafters)
         self.target_side, self.draft_side = TargetSide(target, chunk_tokens), DraftSide(dict(enumerate(self.drafters)))
 
     def admit(self, request_id: int, request: GenerationRequest, reserve_tokens: int) -> bool:
