@@ -161,9 +161,11 @@ def run_serve(args) -> int:
     object_store = args.object_store_mb * 2**20 if args.object_store_mb else None
     start_local_ray(args.ray_address, args.num_cpus, object_store)
     # After ray.init, which installs a SIGTERM handler of its own (the driver exits at once, no drain).
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    received = _stop_signals()
     try:
         address = deploy(serve_config)
+        if received:  # its exception was raised inside serve.run, which swallowed it
+            raise received[0]()
         print(f"specinfer: serving gRPC specinfer.v1.SpecInfer on {address} (application {APP_NAME!r}; "
               "Ray Serve's gRPC proxy listens on all interfaces); Ctrl-C stops", flush=True)
         while True:
@@ -185,8 +187,23 @@ class Terminated(KeyboardInterrupt):
     the drain; Serve's shutdown still waits for running requests (graceful_shutdown_timeout_s)."""
 
 
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated
+def _stop_signals() -> list[type[KeyboardInterrupt]]:
+    """SIGINT raises KeyboardInterrupt and SIGTERM ``Terminated``, as usual, and each is also
+    recorded in the returned list: a signal that comes while ``serve.run`` waits for the
+    application to start can be swallowed there (a demo's Ctrl-C sent as soon as the gRPC health
+    said SERVING, before ``serve.run`` returned, left the server running until it was killed)."""
+    received: list[type[KeyboardInterrupt]] = []
+
+    def handler(exception: type[KeyboardInterrupt]):
+        def raise_it(signum, frame) -> None:
+            received.append(exception)
+            raise exception
+
+        return raise_it
+
+    signal.signal(signal.SIGINT, handler(KeyboardInterrupt))
+    signal.signal(signal.SIGTERM, handler(Terminated))
+    return received
 
 
 # --- client -------------------------------------------------------------------------------

@@ -78,6 +78,40 @@ def test_sigterm_drains_then_stops_cleanly():
     assert server.returncode == 0, output[-3000:]
 
 
+# A deploy that receives the signal while it waits and swallows the exception it raises, as
+# serve.run can while it waits for the application to start.
+SWALLOWING_DEPLOY = textwrap.dedent("""
+    import os, signal, time
+    def swallowing_deploy(config):
+        try:
+            os.kill(os.getpid(), signal.{name})
+            time.sleep(5)
+        except BaseException:
+            print("deploy swallowed it", flush=True)
+        return "127.0.0.1:0"
+    cli.deploy = swallowing_deploy
+""")
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("name, events", [
+    ("SIGINT", ["deploy swallowed it", "specinfer: stopping"]),
+    ("SIGTERM", ["deploy swallowed it", "specinfer: SIGTERM: draining", "drain called", "specinfer: drained"]),
+])
+def test_a_signal_during_deploy_still_stops_the_server(name, events):
+    """A Ctrl-C or SIGTERM that comes before deploy returns stops the server once deploy returns, even
+    where deploy swallowed its exception (a demo's Ctrl-C sent as soon as the health said SERVING,
+    before serve.run returned, once left the server running until it was killed)."""
+    script = SERVER.replace("sys.exit(cli.run_serve(args))", SWALLOWING_DEPLOY.replace("{name}", name)
+                            + "sys.exit(cli.run_serve(args))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_server_env(), text=True,
+                          capture_output=True, timeout=300)  # a hang guard, not a speed bound
+    output = done.stdout + done.stderr
+    seen = [next(e for e in events if line.startswith(e)) for line in output.splitlines() if line.startswith(tuple(events))]
+    assert seen == events and "specinfer: serving" not in output, output[-3000:]
+    assert done.returncode == 0, output[-3000:]
+
+
 def serve_drain_timeout_s() -> float:
     """server.drain_timeout_s of configs/serve.yaml (what `specinfer serve` runs)."""
     from cluster.cli_serve import load_serve_config
