@@ -192,17 +192,15 @@ def _stop_signals() -> list[type[KeyboardInterrupt]]:
     recorded in the returned list: a signal that comes while ``serve.run`` waits for the
     application to start can be swallowed there (a demo's Ctrl-C sent as soon as the gRPC health
     said SERVING, before ``serve.run`` returned, left the server running until it was killed)."""
+    exceptions = {signal.SIGINT: KeyboardInterrupt, signal.SIGTERM: Terminated}
     received: list[type[KeyboardInterrupt]] = []
 
-    def handler(exception: type[KeyboardInterrupt]):
-        def raise_it(signum, frame) -> None:
-            received.append(exception)
-            raise exception
+    def raise_it(signum, frame) -> None:
+        received.append(exceptions[signum])
+        raise exceptions[signum]
 
-        return raise_it
-
-    signal.signal(signal.SIGINT, handler(KeyboardInterrupt))
-    signal.signal(signal.SIGTERM, handler(Terminated))
+    for signum in exceptions:
+        signal.signal(signum, raise_it)
     return received
 
 

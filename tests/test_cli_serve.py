@@ -107,7 +107,8 @@ def test_a_signal_during_deploy_still_stops_the_server(name, events):
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_server_env(), text=True,
                           capture_output=True, timeout=300)  # a hang guard, not a speed bound
     output = done.stdout + done.stderr
-    seen = [next(e for e in events if line.startswith(e)) for line in output.splitlines() if line.startswith(tuple(events))]
+    seen = [next(e for e in events if line.startswith(e))
+            for line in output.splitlines() if line.startswith(tuple(events))]
     assert seen == events and "specinfer: serving" not in output, output[-3000:]
     assert done.returncode == 0, output[-3000:]
 
