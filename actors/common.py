@@ -8,12 +8,15 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.batcher import BatchCounters
 from engine.kv_pool import StateLost
-from engine.models import LoadedModel
+
+if TYPE_CHECKING:  # a type only: the merge actor and the ingress do without transformers' models
+    from engine.models import LoadedModel
 
 DEFAULT_EXTENSIONS_DIR = "~/.cache/specinfer/torch_extensions"
 

@@ -12,8 +12,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-
-from transformers import DynamicCache
+from typing import TYPE_CHECKING
 
 from settings.config import EngineConfig
 from engine.paged_models import PagedDrafter
@@ -32,6 +31,9 @@ from .common import HoldsRequests, NeedsResync, Vocabulary, setup_process, sweep
 from .loop_calls import SSMJob
 from .loading import load_configured, model_spec
 from .store import RequestStore, start_sweeper
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 logger = logging.getLogger(__name__)

@@ -19,13 +19,15 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from . import kv
 from .draft import DraftSpec, Proposal, TreeBuilder
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 WINDOW = 4  # committed target tokens at most that a re-encoding may re-tokenize with the draft
 

@@ -8,9 +8,9 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache
 
 from . import kv
 from .masks import forward_masks
@@ -19,6 +19,9 @@ from .sampling import SamplingParams, warp
 from .shape import ShapeHistory, TreeCost, best_size, frontier_to_expand
 from .timing import moving_average
 from .tree import TokenTree, ancestor_mask, depths
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 CHILDREN_RULES = ("top_k", "sampled", "sampled_without_replacement")
 

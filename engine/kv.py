@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import inspect
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 @lru_cache(maxsize=None)
@@ -40,6 +43,8 @@ def new_cache() -> DynamicCache:
     which commits (``keep_path``) and tree masks rely on. Windows are applied by the masks instead
     (``engine.masks``), so the cache is full attention's, window or not.
     """
+    from transformers import DynamicCache
+
     return DynamicCache()
 
 

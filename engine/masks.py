@@ -1,5 +1,5 @@
 """The attention masks a Hugging Face forward over a DynamicCache takes for a tree or a draft level,
-with each layer's sliding window applied (``engine.models.SUPPORTED_ARCHITECTURES`` says how a
+with each layer's sliding window applied (``engine.architectures.SUPPORTED_ARCHITECTURES`` says how a
 family's layers take windows).
 
 A 4-D mask is used as it is by every layer it reaches (``transformers.masking_utils`` returns a
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .models import SUPPORTED_ARCHITECTURES
+from .architectures import SUPPORTED_ARCHITECTURES
 from .tree import attention_bias
 
 

@@ -12,43 +12,19 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+import transformers
 
+from .architectures import LAYER_KINDS, REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from .checkpoint import NotDirect, load_direct
 from .fused_int8 import fuse_int8_siblings
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 logger = logging.getLogger(__name__)
-
-# The decoder-only families tree verification supports, each one a row of tests/test_architectures.py
-# (tiny random model: greedy output equal to generate in-process, in the engine loop over the paged
-# pool), and how its layers take a sliding window (``engine.masks``):
-#   None           full attention on every layer
-#   "every_layer"  config.sliding_window, when set, on every layer: one 4-D mask serves them all
-#   "layer_types"  config.layer_types names each layer "full_attention" or "sliding_attention"
-#                  (config.sliding_window): the model takes a dict of 4-D masks, one per kind
-SUPPORTED_ARCHITECTURES: dict[str, str | None] = {
-    "llama": None, "granite": None, "olmo2": None, "gemma": None,
-    "mistral": "every_layer", "phi3": "every_layer", "starcoder2": "every_layer",
-    "qwen2": "layer_types", "qwen3": "layer_types", "gemma2": "layer_types", "gemma3_text": "layer_types",
-    "olmo3": "layer_types",
-}
-LAYER_KINDS = ("full_attention", "sliding_attention")
-
-# Why the families that cannot take a tree mask over a gathered KV cache are refused (model_type -> reason).
-REFUSED_ARCHITECTURES = {
-    **dict.fromkeys(("mamba", "mamba2", "rwkv", "xlstm", "falcon_mamba", "recurrent_gemma", "jamba", "zamba",
-                     "zamba2", "bamba", "falcon_h1", "granitemoehybrid", "lfm2", "qwen3_next", "nemotron_h",
-                     "minimax", "plamo2"),
-                    "a recurrent (state-space or linear-attention) layer keeps a running state, not per-token "
-                    "KV entries that a tree mask can select and a commit can gather"),
-    **dict.fromkeys(("bloom", "mpt"), "ALiBi position biases are added inside attention from key indices, "
-                                      "which a tree's positions (prefix + depth) do not follow"),
-    "gemma3": "it is the multimodal model: serve its text model (model_type gemma3_text)",
-    **dict.fromkeys(("llama4", "llama4_text"), "its chunked attention layers are neither full nor sliding-window "
-                                               "attention"),
-}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -182,7 +158,7 @@ def load_model(spec: ModelSpec, attn_implementation: str = "sdpa") -> LoadedMode
     if spec.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {spec.dtype!r}")
     source, kwargs = pretrained_args(spec)
-    config = hub_call(spec, kwargs, AutoConfig.from_pretrained, source)
+    config = hub_call(spec, kwargs, transformers.AutoConfig.from_pretrained, source)
     check_architecture(config, spec.name)
     logger.info("loading %s from %s (%s)", spec.name, spec.source, spec.dtype)
     device = resolve_device(spec.device)
@@ -192,7 +168,7 @@ def load_model(spec: ModelSpec, attn_implementation: str = "sdpa") -> LoadedMode
                        "emulated, a forward of several tokens costs several times one of a single token and "
                        "trees barely pay; float32 is faster here (dtype: float32, and cpu_linears: "
                        "onednn_packed where the target verifies trees)", spec.name)
-    tokenizer = hub_call(spec, kwargs, AutoTokenizer.from_pretrained, source)
+    tokenizer = hub_call(spec, kwargs, transformers.AutoTokenizer.from_pretrained, source)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
 
 
@@ -207,7 +183,7 @@ def _load_weights(spec: ModelSpec, source: str, kwargs: dict, config, device: to
                                spec.trust_remote_code)
         except NotDirect as why:
             logger.info("%s: loading with from_pretrained (%s)", spec.name, why)
-    model = hub_call(spec, kwargs, AutoModelForCausalLM.from_pretrained, source, dtype=DTYPES[spec.dtype],
+    model = hub_call(spec, kwargs, transformers.AutoModelForCausalLM.from_pretrained, source, dtype=DTYPES[spec.dtype],
                      attn_implementation=attn_implementation, use_safetensors=None if "gguf_file" in kwargs else True,
                      **direct_placement(device))
     return model.to(device).eval()
@@ -240,13 +216,13 @@ class ModelHeader:
 def load_header(spec: ModelSpec) -> LoadedModel:
     """Config, generation config and tokenizer only (``model`` is a ModelHeader)."""
     source, kwargs = pretrained_args(spec)
-    config = hub_call(spec, kwargs, AutoConfig.from_pretrained, source)
+    config = hub_call(spec, kwargs, transformers.AutoConfig.from_pretrained, source)
     check_architecture(config, spec.name)
     try:
-        generation = GenerationConfig.from_pretrained(source, **kwargs)
+        generation = transformers.GenerationConfig.from_pretrained(source, **kwargs)
     except (OSError, ValueError):  # no generation_config.json
         generation = None
-    tokenizer = hub_call(spec, kwargs, AutoTokenizer.from_pretrained, source)
+    tokenizer = hub_call(spec, kwargs, transformers.AutoTokenizer.from_pretrained, source)
     return LoadedModel(spec=spec, model=ModelHeader(config, generation), tokenizer=tokenizer)
 
 

@@ -23,9 +23,6 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
 
 from .kv_pool import BlockPool, KVStorage, PagedSequence, PoolExhausted, StateLost
 from .tree import attention_bias
@@ -256,6 +253,8 @@ def unpaged_attention(module, query, key, value, attention_mask, scaling, dropou
     has a logit softcap, which SDPA cannot apply. Its mask comes from SDPA's builder (registered
     with the attention): a bool mask, or None where the forward is plainly causal."""
     if softcap is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       sliding_window=sliding_window, **kwargs)
     queries, keys = query.shape[2], key.shape[2]
@@ -271,7 +270,12 @@ def register_custom_attention(name: str, function) -> None:
     """Register an attention function with transformers under ``name``, with SDPA's mask builder:
     forwards that pass a 4-D mask use it as it is, and the DynamicCache path (no mask passed) gets
     the causal mask it needs. Without a builder transformers would build none, and SDPA's own
-    causal flag is wrong for new tokens after cached ones. Registering again replaces the entry."""
+    causal flag is wrong for new tokens after cached ones. Registering again replaces the entry.
+    (transformers' modeling stack is imported here, not at module import: processes that only pack,
+    such as the merge actor and the ingress, do without its ~2 s import.)"""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, sdpa_mask)
 

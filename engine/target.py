@@ -10,15 +10,17 @@ ranks, one request per forward).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
-from transformers import DynamicCache
 
 from . import kv
 from .masks import forward_masks
 from .programs import Program, alone
 from .tree import TokenTree, ancestor_mask, positions
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 class TargetStateLike(Protocol):

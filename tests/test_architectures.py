@@ -1,4 +1,4 @@
-"""Every decoder-only family on the allow-list (``engine.models.SUPPORTED_ARCHITECTURES``), table-driven:
+"""Every decoder-only family on the allow-list (``engine.architectures.SUPPORTED_ARCHITECTURES``), table-driven:
 a tiny random model of each, built from its config (no download), speculates with an SSM of its own
 family, and its fp32 greedy output equals the target's own ``generate``: in-process (a DynamicCache
 per request) and in the engine loop over the paged pool (two requests batched). Sliding-window

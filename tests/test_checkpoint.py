@@ -99,8 +99,8 @@ def test_load_model_reads_a_local_directory_directly(tmp_path):
 
     model = tiny_model("llama")
     model.save_pretrained(tmp_path)
-    with mock.patch("engine.models.AutoModelForCausalLM.from_pretrained", side_effect=AssertionError), \
-            mock.patch("engine.models.AutoTokenizer.from_pretrained", return_value="tokenizer"):
+    with mock.patch("transformers.AutoModelForCausalLM.from_pretrained", side_effect=AssertionError), \
+            mock.patch("transformers.AutoTokenizer.from_pretrained", return_value="tokenizer"):
         loaded = load_model(ModelSpec("tiny", str(tmp_path), dtype="float32", device="cpu"))
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
@@ -115,10 +115,10 @@ def hub_mocks(error: Exception | None = None):
     config = tiny_model("llama").config
     model = mock.MagicMock()
     model.to.return_value = model
-    return (mock.patch("engine.models.AutoConfig.from_pretrained", return_value=config),
-            mock.patch("engine.models.AutoModelForCausalLM.from_pretrained", return_value=model,
+    return (mock.patch("transformers.AutoConfig.from_pretrained", return_value=config),
+            mock.patch("transformers.AutoModelForCausalLM.from_pretrained", return_value=model,
                        side_effect=error),
-            mock.patch("engine.models.AutoTokenizer.from_pretrained", return_value="tokenizer"))
+            mock.patch("transformers.AutoTokenizer.from_pretrained", return_value="tokenizer"))
 
 
 def test_a_hub_id_gets_its_revision_token_and_safetensors(monkeypatch, caplog):

@@ -244,3 +244,16 @@ def test_the_command_line_parser_imports_no_engine():
             "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("module", ["actors.merge", "cluster.serve_app"])
+def test_processes_that_run_no_model_skip_the_modeling_stack(module):
+    """The merge actor and the ingress replica run no model: their process starts without
+    transformers' modeling stack (``transformers.modeling_utils`` and what it pulls in cost ~2-3 s of
+    CPU per process, and every application starts both). Model code imports it where a model is
+    loaded or an attention registered."""
+    import subprocess
+
+    code = f"import sys, {module}; print('transformers.modeling_utils' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr
