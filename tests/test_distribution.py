@@ -18,10 +18,13 @@ Every chi-square test uses fixed seeds, so it is deterministic; the statistics a
 from __future__ import annotations
 
 import copy
-
+import functools
 import itertools
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 import json
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -134,19 +137,46 @@ class Walk:
     min_confidence: float = 0.0  # > 0: dynamic tree, only confident nodes are expanded
 
 
-def sample_walks(case: Walk, samples: int, seed: int) -> tuple[list[tuple[int, ...]], Counter]:
-    """``samples`` output prefixes of one configuration, with counters of what verification did."""
+# The walks are pure Python on one torch thread: they run in this many processes (the in-process
+# tests run before Ray starts, so the second core is otherwise idle). Each chunk has its own random
+# streams (the generators' position is the chunk), so the sample is the same whatever the scheduling.
+CHUNKS = 2
+
+
+@pytest.fixture(scope="module")
+def walk_pool() -> Iterator[ProcessPoolExecutor]:
+    """Processes for the chunks after the first (the test's own process walks the first)."""
+    with ProcessPoolExecutor(CHUNKS - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+def sample_walks(case: Walk, samples: int, seed: int, pool: ProcessPoolExecutor,
+                 proposers: list | None = None) -> tuple[list[tuple[int, ...]], Counter]:
+    """``samples`` output prefixes of one configuration, with counters of what verification did:
+    ``CHUNKS`` chunks of walks, all but the first in ``pool``, concatenated in chunk order.
+    ``proposers``: (drafter factory, DraftSpec) pairs that draft in place of the case's SSMs (each chunk
+    makes its own drafters: a factory pickles, a drafter need not)."""
+    sizes = [samples // CHUNKS + (chunk < samples % CHUNKS) for chunk in range(CHUNKS)]
+    futures = [pool.submit(walk_chunk, case, sizes[chunk], seed, chunk, proposers) for chunk in range(1, CHUNKS)]
+    parts = [walk_chunk(case, sizes[0], seed, 0, proposers)] + [future.result() for future in futures]
+    return [s for part, _ in parts for s in part], sum((stats for _, stats in parts), Counter())
+
+
+def walk_chunk(case: Walk, samples: int, seed: int, chunk: int,
+               proposers: list | None = None) -> tuple[list[tuple[int, ...]], Counter]:
+    """One chunk of ``sample_walks``: its random streams are (seed, stream, position = chunk)."""
+    torch.set_num_threads(1)
     dynamic = {"min_confidence": case.min_confidence} if case.min_confidence else {}
-    drafters = [
-        (LookupDrafter(lm, i, f"ssm{i}"), DraftSpec(schedule, rule, case.sampling, **dynamic),
-         make_generator(seed, i + 1))
-        for i, (lm, rule, schedule) in enumerate(case.ssms)
-    ]
+    if proposers is None:
+        proposers = [(functools.partial(LookupDrafter, lm, i, f"ssm{i}"),
+                      DraftSpec(schedule, rule, case.sampling, **dynamic))
+                     for i, (lm, rule, schedule) in enumerate(case.ssms)]
+    drafters = [(make(), spec, make_generator(seed, i + 1, chunk)) for i, (make, spec) in enumerate(proposers)]
     if case.suffix:
         suffix = SuffixDrafter(len(drafters), SuffixConfig(max_cached_requests=16, min_token_prob=0.0))
         drafters.append((suffix, DraftSpec((1,), "top_k", case.sampling, max_nodes=6), None))
     p_table, q_table = TARGET.probs(case.sampling), case.ssms[0][0].probs(case.sampling)
-    generator, stats = make_generator(seed, 0), Counter()
+    generator, stats = make_generator(seed, 0, chunk), Counter()
     return [walk(case, drafters, p_table, q_table, generator, stats) for _ in range(samples)], stats
 
 
@@ -208,9 +238,12 @@ WALKS = [
 ]
 
 
+BIASED = Walk("NEGATIVE CONTROL biased top_k + MSS ratio", ((SSM_A, "top_k", (2, 2)),), verifier="biased")
+
+
 @pytest.mark.parametrize("case", WALKS, ids=[c.name for c in WALKS])
-def test_lookup_output_is_target_distributed(case: Walk):
-    samples, stats = sample_walks(case, SAMPLES, seed=7)
+def test_lookup_output_is_target_distributed(case: Walk, walk_pool):
+    samples, stats = sample_walks(case, SAMPLES, seed=7, pool=walk_pool)
     result = chi_square(samples, prefix_distribution(TARGET.probs(case.sampling), case.prompt, case.length))
     report(case.name, result)
     stats = summary(stats)
@@ -248,10 +281,10 @@ def test_dynamic_case_prunes_the_tree():
     assert mean_size(min_confidence=0.15) < 0.8 * mean_size()
 
 
-def test_biased_verifier_is_rejected():
+def test_biased_verifier_is_rejected(walk_pool):
     """Negative control: the same chi-square test has the power to reject a biased verifier."""
-    case = Walk("NEGATIVE CONTROL biased top_k + MSS ratio", ((SSM_A, "top_k", (2, 2)),), verifier="biased")
-    samples, _ = sample_walks(case, SAMPLES, seed=7)
+    case = BIASED
+    samples, _ = sample_walks(case, SAMPLES, seed=7, pool=walk_pool)
     result = chi_square(samples, prefix_distribution(TARGET.probs(case.sampling), case.prompt, case.length))
     report(case.name, result)
     assert result.pvalue < THRESHOLD
@@ -478,16 +511,34 @@ E2E_VOCAB = 16
 E2E_PROMPT = (1, 5, 9)
 
 
-@pytest.fixture(scope="module")
-def tiny_models():
+@functools.lru_cache(maxsize=None)
+def e2e_models():
+    """The tiny target and SSM, the same in every process (seeded), built once per process."""
     return tiny_llama(E2E_VOCAB, seed=11, layers=2), tiny_llama(E2E_VOCAB, seed=12, layers=1)
 
 
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_models) -> SpeculativeEngine:
-    target, ssm = tiny_models
+@functools.lru_cache(maxsize=None)
+def e2e_engine() -> SpeculativeEngine:
+    """The in-process engine over ``e2e_models``, one a process."""
+    target, ssm = e2e_models()
     drafters = [ModelDrafter(ssm, 0, "ssm")]
     return SpeculativeEngine(TargetModel(target), drafters, tiny_tokenizer(E2E_VOCAB), eos_ids=())
+
+
+def generate_alone(requests: list[GenerationRequest]) -> list[tuple[tuple[int, ...], object]]:
+    """(token ids, stats) of each request, run alone by this process's ``e2e_engine``."""
+    torch.set_num_threads(1)
+    return [(r.token_ids, r.stats) for r in map(e2e_engine().generate, requests)]
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    return e2e_models()
+
+
+@pytest.fixture(scope="module")
+def tiny_engine() -> SpeculativeEngine:
+    return e2e_engine()
 
 
 @pytest.fixture(scope="module")
@@ -530,14 +581,15 @@ E2E_CASES = [
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("name,options,sampling", E2E_CASES, ids=[c[0] for c in E2E_CASES])
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
-def test_engine_first_two_tokens_are_target_distributed(tiny_engine, tiny_batched_engine, tiny_models, name, options,
+def test_engine_first_two_tokens_are_target_distributed(tiny_batched_engine, tiny_models, walk_pool, name, options,
                                                         sampling, batched):
     requests = [GenerationRequest(E2E_PROMPT, 2, replace(sampling, seed=seed), options) for seed in range(E2E_SAMPLES)]
     if batched:
         results, most = generate_batched(tiny_batched_engine, requests)
         assert most == 16  # requests shared their passes
-    else:
-        results = [(r.token_ids, r.stats) for r in map(tiny_engine.generate, requests)]
+    else:  # each request seeded: its output is the same in whichever process runs it
+        half = walk_pool.submit(generate_alone, requests[E2E_SAMPLES // 2:])
+        results = generate_alone(requests[:E2E_SAMPLES // 2]) + half.result()
     samples = [tokens for tokens, _ in results]
     accepted = sum(stats.accepted_tokens for _, stats in results)
     result = chi_square(samples, target_first_two(tiny_models[0], E2E_PROMPT, sampling))

@@ -4,7 +4,7 @@ control (re-ranking *sampled* children, which the policy never does, is caught).
 
 from __future__ import annotations
 
-from collections import Counter
+import functools
 from dataclasses import replace
 
 import pytest
@@ -24,7 +24,8 @@ from engine.step import plan_proposers
 from engine.target import TargetModel
 from engine.tree import depths
 from tests.lookup_models import LookupDrafter, LookupLM, chi_square, prefix_distribution
-from tests.test_distribution import PROMPT, SAMPLES, SSM_A, T1, TARGET, THRESHOLD, Walk, report, summary, walk
+from tests.test_distribution import (PROMPT, SAMPLES, SSM_A, T1, TARGET, THRESHOLD, Walk, report, sample_walks, summary,
+                                     walk_pool)
 from tests.tiny_models import IdTokenizer, reference_greedy, tiny_model
 
 FLAT = TreeCost(((1, 10.0), (64, 10.0)))  # verifying more tokens is free: big trees pay
@@ -377,26 +378,25 @@ class RerankedSampled(ReleasingLookup):
         return builder.build()
 
 
-def sample(drafter, spec: DraftSpec, samples: int = SAMPLES, length: int = 3):
+def sample(drafter: type[LookupDrafter], spec: DraftSpec, pool, length: int = 3):
+    """SAMPLES walks of the full loop with a ``drafter`` over SSM_A the only proposer
+    (tests/test_distribution.py)."""
     case = Walk("cost-aware", ((SSM_A, spec.children, spec.schedule),), spec.sampling, length=length)
-    p_table, q_table = TARGET.probs(spec.sampling), SSM_A.probs(spec.sampling)
-    generator, stats = make_generator(7, 0), Counter()
-    drafters = [(drafter, spec, make_generator(7, 1))]
-    walks = [walk(case, drafters, p_table, q_table, generator, stats) for _ in range(samples)]
+    walks, stats = sample_walks(case, SAMPLES, 7, pool, proposers=[(functools.partial(drafter, SSM_A, 0, "ssm"), spec)])
     return chi_square(walks, prefix_distribution(TARGET.probs(spec.sampling), PROMPT, length)), summary(stats)
 
 
 @pytest.mark.parametrize("sampling", [T1, SamplingParams(temperature=0.7, top_k=5, top_p=0.9)])
-def test_cost_aware_sampled_output_is_target_distributed(sampling):
+def test_cost_aware_sampled_output_is_target_distributed(sampling, walk_pool):
     spec = DraftSpec((1,), "top_k", sampling, max_nodes=32, cost=TreeCost(((1, 1e6), (64, 1.4e6)), 2, 3, 3))
-    result, stats = sample(ReleasingLookup(SSM_A, 0, "ssm"), spec)
+    result, stats = sample(ReleasingLookup, spec, walk_pool)
     report("cost-aware top-k tree", result)
     assert result.pvalue > THRESHOLD
     assert stats["deep accepted"] > 0.02 * stats["steps"]  # speculation happened, below the root too
 
 
-def test_reranking_sampled_children_is_rejected():
-    result, _ = sample(RerankedSampled(SSM_A, 0, "ssm"), DraftSpec((3,), "sampled", T1), length=2)
+def test_reranking_sampled_children_is_rejected(walk_pool):
+    result, _ = sample(RerankedSampled, DraftSpec((3,), "sampled", T1), walk_pool, length=2)
     report("NEGATIVE CONTROL re-ranked sampled children", result)
     assert result.pvalue < THRESHOLD
 
