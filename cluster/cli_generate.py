@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import sys
@@ -20,6 +21,9 @@ def add_parsers(subparsers) -> None:
     models_sub = models.add_subparsers(dest="models_command", required=True)
     fetch = models_sub.add_parser("fetch", help="download, assemble, verify and convert the default models")
     fetch.add_argument("--cache-dir", type=Path, default=None, help="default: $SPECINFER_MODELS or ~/.cache/specinfer/models")
+    fetch.add_argument("--jobs", type=positive_int, default=1,
+                       help="models fetched and converted at once, each in a process (default 1; a conversion "
+                            "uses one core and up to ~8 GB)")
     fetch.add_argument("names", nargs="*", help="models to fetch (default: all known)")
     fetch.set_defaults(handler=run_fetch)
 
@@ -52,10 +56,21 @@ def add_sampling_arguments(parser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (a usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def run_fetch(args) -> int:
     from .fetch import default_cache_dir, fetch_models
 
-    paths = fetch_models(args.cache_dir or default_cache_dir(), args.names or None)
+    paths = fetch_models(args.cache_dir or default_cache_dir(), args.names or None, jobs=args.jobs)
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0

