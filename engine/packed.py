@@ -18,6 +18,7 @@ can run in different processes:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -253,10 +254,8 @@ def unpaged_attention(module, query, key, value, attention_mask, scaling, dropou
     has a logit softcap, which SDPA cannot apply. Its mask comes from SDPA's builder (registered
     with the attention): a bool mask, or None where the forward is plainly causal."""
     if softcap is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      sliding_window=sliding_window, **kwargs)
+        return _sdpa_attention()(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                 sliding_window=sliding_window, **kwargs)
     queries, keys = query.shape[2], key.shape[2]
     if attention_mask is None:  # causal: the new tokens are the last of the keys
         attention_mask = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
@@ -264,6 +263,14 @@ def unpaged_attention(module, query, key, value, attention_mask, scaling, dropou
         attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~attention_mask, torch.finfo(query.dtype).min)
     return attend(query, key, value, attention_mask, scaling, softcap).transpose(1, 2), None
+
+
+@functools.cache
+def _sdpa_attention():
+    """transformers' SDPA attention, imported once, on first use (see ``register_custom_attention``)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
 
 
 def register_custom_attention(name: str, function) -> None:

@@ -145,8 +145,10 @@ CHUNKS = 2
 
 @pytest.fixture(scope="module")
 def walk_pool() -> Iterator[ProcessPoolExecutor]:
-    """Processes for the chunks after the first (the test's own process walks the first)."""
-    with ProcessPoolExecutor(CHUNKS - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    """Processes for the chunks after the first (the test's own process walks the first), each on one
+    torch thread, as the test's own process is (``one_torch_thread``)."""
+    with ProcessPoolExecutor(CHUNKS - 1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=torch.set_num_threads, initargs=(1,)) as pool:
         yield pool
 
 
@@ -165,7 +167,6 @@ def sample_walks(case: Walk, samples: int, seed: int, pool: ProcessPoolExecutor,
 def walk_chunk(case: Walk, samples: int, seed: int, chunk: int,
                proposers: list | None = None) -> tuple[list[tuple[int, ...]], Counter]:
     """One chunk of ``sample_walks``: its random streams are (seed, stream, position = chunk)."""
-    torch.set_num_threads(1)
     dynamic = {"min_confidence": case.min_confidence} if case.min_confidence else {}
     if proposers is None:
         proposers = [(functools.partial(LookupDrafter, lm, i, f"ssm{i}"),
@@ -527,7 +528,6 @@ def e2e_engine() -> SpeculativeEngine:
 
 def generate_alone(requests: list[GenerationRequest]) -> list[tuple[tuple[int, ...], object]]:
     """(token ids, stats) of each request, run alone by this process's ``e2e_engine``."""
-    torch.set_num_threads(1)
     return [(r.token_ids, r.stats) for r in map(e2e_engine().generate, requests)]
 
 
