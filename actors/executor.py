@@ -15,6 +15,7 @@ dead verifier fails the running requests (TargetUnavailable: their KV caches are
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ class ActorExecutor:
         self.names, self.neural = group.names, group.neural
         self.requests: dict[int, RemoteRequest] = {}
         self._kv_blocks: tuple[int, int] | None = None
+        self._draft_wait_ms = 0.0
 
     def admit(self, request_id: int, request: GenerationRequest, reserve_tokens: int) -> bool:
         if self.capacity is not None:
@@ -100,8 +102,10 @@ class ActorExecutor:
     async def verify(self, drafted, trees: list[int], chunks: list[int]) -> dict[int, object]:
         tree_jobs = [TreeJob(self.requests[i].key, self.requests[i].root) for i in trees]
         prefills = [self._prefill_job(i) for i in chunks]
+        self._draft_wait_ms = 0.0
         if not self.liveness.usable(VERIFIER):
             return self._all_failed(trees + chunks)
+        began = time.perf_counter()
         try:
             reply = await self.group.verifier.step_batch.remote(drafted, tree_jobs, prefills)
         except RayActorError as error:
@@ -110,11 +114,16 @@ class ActorExecutor:
                 return self._all_failed(trees + chunks)
             self._resync_all()  # a drafting actor failed: this step plain decoding for all
             reply = await self.group.verifier.step_batch.remote(None, tree_jobs, prefills)
+        # the call's wall time beyond the verifier's own: its wait for the SSMs and the merge actor
+        self._draft_wait_ms = (time.perf_counter() - began) * 1e3 - reply.call_ms
         keys = {self.requests[i].key: i for i in trees + chunks}
         for key in reply.resync:
             self.requests[keys[key]].sent.clear()
         self._kv_blocks = reply.kv_blocks
         return {keys[key]: result for key, result in reply.results.items()}
+
+    def draft_wait_ms(self) -> float:
+        return self._draft_wait_ms if self._draft_wait_ms > 0 else 0.0
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)

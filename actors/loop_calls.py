@@ -59,8 +59,11 @@ class PrefillJob:
 @dataclass(frozen=True)
 class StepReply:
     """The verifier's answer: per request its result (``engine.loop.Executor.verify``), the requests
-    whose drafts need the whole history next time, and the pool's (used, total) blocks."""
+    whose drafts need the whole history next time, the pool's (used, total) blocks, and the ms the
+    call ran in the verifier (its drafts were in by then: Ray resolves the merge actor's reference
+    first)."""
 
     results: dict
     resync: tuple[str, ...]
     kv_blocks: tuple[int, int] | None
+    call_ms: float = 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -100,7 +101,7 @@ class VerifierActor(HoldsRequests):
         chunk (``engine.phases.TargetSide``). ``merged``: the merge actor's trees by request (None:
         none drafted); a request without one (its draft failed, an SSM or the merge actor is down)
         is verified as its root alone, plain decoding, which is lossless."""
-        results, resync, trees_by_id = {}, [], {}
+        results, resync, trees_by_id, began = {}, [], {}, time.perf_counter()
         with self.loop_lock:
             for job in prefills:
                 if job.first and not self._admit(job, results):
@@ -116,7 +117,7 @@ class VerifierActor(HoldsRequests):
             chunks = [job.request_id for job in prefills if job.request_id not in results]
             results.update(self.loop_side.verify(trees_by_id, chunks))
             self.count_pass(len(trees_by_id) + len(chunks))
-            return StepReply(results, tuple(resync), self.loop_side.kv_blocks())
+            return StepReply(results, tuple(resync), self.loop_side.kv_blocks(), (time.perf_counter() - began) * 1e3)
 
     def _admit(self, job: PrefillJob, results: dict) -> bool:
         """Make a new request's state; its failure goes into ``results``."""

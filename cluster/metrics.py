@@ -116,8 +116,9 @@ SPECS = {spec.name: spec for spec in (
                "Fraction of the verifier's KV pool blocks in use (0 to 1), after the last iteration."),
     MetricSpec("specinfer:iterations", COUNTER, "Engine loop iterations (one target pass for all requests each)."),
     MetricSpec("specinfer:iteration_phase_seconds", COUNTER,
-               "Seconds of engine loop iterations by phase: schedule, draft (drafting and merging), verify "
-               "(the target pass, verification and commit in the verifier), commit (outboxes); divide by "
+               "Seconds of engine loop iterations by phase: schedule, draft (drafting and merging, with the "
+               "actor calls' transport), verify (the target pass, verification and commit, as long as the "
+               "verifier's call ran), commit (outboxes); divide by "
                "specinfer:iterations for a per-iteration profile.", ("phase",)),
     MetricSpec("specinfer:e2e_request_latency_seconds", HISTOGRAM,
                "Per successful request: seconds from its arrival at the ingress replica to its last token.",

@@ -72,8 +72,8 @@ class LoopLimits:
 class IterationStats:
     """One iteration, for metrics: requests running and waiting after it, the target's KV blocks in
     use (None without a pool), drafted, accepted, emitted and prompt tokens, ms per phase
-    (draft: drafting and merging; verify: the target pass, verification and commit), and the
-    requests verified with at least one draft token (vLLM's ``num_drafts``)."""
+    (draft: drafting and merging, with their transport where they run in actors; verify: the target
+    pass, verification and commit, with its call), and the requests verified with at least one draft token (vLLM's ``num_drafts``)."""
 
     iteration: int
     running: int
@@ -117,6 +117,11 @@ class Executor(Protocol):
         """One target pass over the ``trees`` requests' merged trees and the next prompt chunk of
         each ``chunks`` request; per request: a StepOutcome (tree), the first token (int, a prompt
         now in) or None (more chunks to come), or the exception that ends that request alone."""
+
+    def draft_wait_ms(self) -> float:
+        """ms of the last ``verify`` call that went to waiting for its drafts: where ``draft`` only
+        sends the calls (actors), the verifier's call waits for the SSMs and the merge actor, their
+        transport included; 0.0 where ``draft`` finished them. The loop books it as draft time."""
 
     def release(self, request_id: int) -> None:
         """Drop the request's states everywhere (idempotent)."""
@@ -259,6 +264,7 @@ class EngineLoop:
                 clock.lap("draft")
                 results = await self.executor.verify(drafted, [r.id for r in decoding], [r.id for r in chunks])
                 clock.lap("verify")
+                clock.move("verify", "draft", self.executor.draft_wait_ms())
             finally:
                 self._in_pass = set()
                 for request_id in self._release_after:
@@ -411,3 +417,9 @@ class _PhaseClock:
         now = time.perf_counter()
         self.ms[phase] += (now - self._last) * 1e3
         self._last = now
+
+    def move(self, source: str, target: str, ms: float) -> None:
+        """Book ``ms`` of ``source``'s time to ``target`` (at most all of it)."""
+        ms = min(max(ms, 0.0), self.ms[source])
+        self.ms[source] -= ms
+        self.ms[target] += ms

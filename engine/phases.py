@@ -193,6 +193,9 @@ class LocalExecutor:
                      chunks: list[int]) -> dict[int, object]:
         return self.target_side.verify({request_id: drafted[request_id] for request_id in trees}, chunks)
 
+    def draft_wait_ms(self) -> float:
+        return 0.0  # ``draft`` ran the drafters
+
     def release(self, request_id: int) -> None:
         self.target_side.release(request_id)
         self.draft_side.release(request_id)

@@ -415,7 +415,10 @@ def test_metrics_equal_the_request_statistics(metrics_app, metrics_url, tiny_mod
     assert per_label(after, "specinfer:spec_decode_num_accepted_tokens_per_ssm", "ssm") == per_ssm
     assert hop_seconds(after) == pytest.approx(hops, rel=1e-6)  # specinfer:step_hop_seconds, hop by hop
     assert sum(per_pos.values()) == stats.accepted_tokens
-    assert all(delta(after, "specinfer:iteration_phase_seconds", phase=p) > 0 for p in ("draft", "verify"))
+    # the iterations' draft phase waited for the drafting and merging in their actors (the verifier's
+    # call resolves the merge actor's reference first); the verify phase is the verifier's call
+    phases = {p: delta(after, "specinfer:iteration_phase_seconds", phase=p) for p in ("draft", "verify")}
+    assert phases["draft"] >= hops["draft"] + hops["merge"] and phases["verify"] >= hops["verify"], (phases, hops)
     assert total(after, "specinfer:num_requests_waiting") == total(after, "vllm:num_requests_waiting") == 0
     assert 0 <= total(after, "specinfer:kv_cache_usage_perc") == total(after, "vllm:kv_cache_usage_perc") < 1
     # histograms: one observation each, tokens/step summed exactly
