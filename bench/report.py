@@ -72,11 +72,12 @@ def summary_table(summary: dict) -> list[str]:
 def profile_table(summary: dict) -> list[str]:
     """The step profile: what each verify step drafted and what it cost (engine methods)."""
     rows = [(m, s) for m, s in summary.items() if s.get("nodes_per_step") is not None]
-    lines = ["| method | tree nodes / step | drafting ms / step | verify ms / step | accepted / step |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| method | tree nodes / step | drafting ms / step | of it transport | verify ms / step | accepted / step |",
+             "|---|---:|---:|---:|---:|---:|"]
     for method, s in rows:
         lines.append(f"| `{method}` | {s['nodes_per_step']:.1f} | {s['draft_ms_per_step']:.1f} "
-                     f"| {s['verify_ms_per_step']:.1f} | {_num(s.get('mean_accepted_per_step'))} |")
+                     f"| {_num(s.get('transport_ms_per_step'), 1)} | {s['verify_ms_per_step']:.1f} "
+                     f"| {_num(s.get('mean_accepted_per_step'))} |")
     return lines if rows else []
 
 

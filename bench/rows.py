@@ -35,6 +35,7 @@ class BenchRow:
     accepted_per_proposer: dict[str, int] | None = None
     accepted_per_depth: tuple[int, ...] | None = None
     server_ms_per_token: float | None = None
+    hop_ms: dict[str, float] | None = None  # the steps' wall time by hop (engine.requests.HOPS)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -60,7 +61,8 @@ def row_from_stats(prompt: EncodedPrompt, method: str, token_ids: Sequence[int],
         latency_ms=latency_ms, draft_ms=float(stats["draft_ms"]), verify_ms=float(stats["verify_ms"]),
         draft_tokens=int(stats["draft_tokens"]), accepted_per_proposer=dict(stats["accepted_per_proposer"]),
         accepted_per_depth=tuple(int(x) for x in stats["accepted_per_depth"]),
-        server_ms_per_token=float(stats["ms_per_token"]) if remote else None)
+        server_ms_per_token=float(stats["ms_per_token"]) if remote else None,
+        hop_ms={hop: float(ms) for hop, ms in stats["hop_ms"].items()} if "hop_ms" in stats else None)
 
 
 def append_json_line(path: Path, data: dict, sync: bool = False) -> None:

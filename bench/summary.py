@@ -110,18 +110,22 @@ def method_summary(records: Sequence[dict]) -> dict:
 
 def step_profile(records: Sequence[dict]) -> dict:
     """Per verify step, over all prompts: tree nodes (draft tokens), drafting ms (draft, merge and
-    transport) and verify ms; None for methods without engine statistics (hf-assisted).
+    transport), verify ms, and of the drafting the transport's ms (actor calls, scheduling,
+    serialisation: ``hop_ms``; None where rows lack it); None for methods without engine
+    statistics (hf-assisted).
 
     Example: two prompts of 11 and 21 target steps (30 verify steps), 300 draft tokens, 600 ms of
-    drafting and 3000 ms of verifying -> 10 nodes, 20 ms and 100 ms per step.
+    drafting (150 of it transport) and 3000 ms of verifying -> 10 nodes, 20 ms, 100 ms and 5 ms per step.
     """
     engine = [r for r in records if r["draft_tokens"] is not None and r["target_steps"]]
     steps = sum(r["target_steps"] - 1 for r in engine)
     if not steps:
-        return {"nodes_per_step": None, "draft_ms_per_step": None, "verify_ms_per_step": None}
+        return dict.fromkeys(("nodes_per_step", "draft_ms_per_step", "verify_ms_per_step", "transport_ms_per_step"))
+    hops = [r.get("hop_ms") for r in engine]
     return {"nodes_per_step": sum(r["draft_tokens"] for r in engine) / steps,
             "draft_ms_per_step": sum(r["draft_ms"] for r in engine) / steps,
-            "verify_ms_per_step": sum(r["verify_ms"] for r in engine) / steps}
+            "verify_ms_per_step": sum(r["verify_ms"] for r in engine) / steps,
+            "transport_ms_per_step": None if None in hops else sum(h["transport"] for h in hops) / steps}
 
 
 def summarize(rows: dict[tuple[str, str], BenchRow], methods: Sequence[Method], workload: Sequence[EncodedPrompt],

@@ -683,11 +683,13 @@ def test_gpu_verify_curve_llama_8b_shape(tmp_path):
 
 
 @pytest.mark.parametrize("records,expected", [
-    ([{"draft_tokens": 100, "target_steps": 11, "draft_ms": 200.0, "verify_ms": 1000.0},
-      {"draft_tokens": 200, "target_steps": 21, "draft_ms": 400.0, "verify_ms": 2000.0}],
-     {"nodes_per_step": 10.0, "draft_ms_per_step": 20.0, "verify_ms_per_step": 100.0}),
+    ([{"draft_tokens": 100, "target_steps": 11, "draft_ms": 200.0, "verify_ms": 1000.0, "hop_ms": {"transport": 50.0}},
+      {"draft_tokens": 200, "target_steps": 21, "draft_ms": 400.0, "verify_ms": 2000.0, "hop_ms": {"transport": 100.0}}],
+     {"nodes_per_step": 10.0, "draft_ms_per_step": 20.0, "verify_ms_per_step": 100.0, "transport_ms_per_step": 5.0}),
+    ([{"draft_tokens": 100, "target_steps": 11, "draft_ms": 200.0, "verify_ms": 1000.0}],  # rows from before hop_ms
+     {"nodes_per_step": 10.0, "draft_ms_per_step": 20.0, "verify_ms_per_step": 100.0, "transport_ms_per_step": None}),
     ([{"draft_tokens": None, "target_steps": None, "draft_ms": None, "verify_ms": None}],  # hf-assisted
-     {"nodes_per_step": None, "draft_ms_per_step": None, "verify_ms_per_step": None}),
+     {"nodes_per_step": None, "draft_ms_per_step": None, "verify_ms_per_step": None, "transport_ms_per_step": None}),
 ])
 def test_step_profile(records, expected):
     from bench.summary import step_profile
