@@ -123,7 +123,7 @@ class ActorExecutor:
         return {keys[key]: result for key, result in reply.results.items()}
 
     def draft_wait_ms(self) -> float:
-        return self._draft_wait_ms if self._draft_wait_ms > 0 else 0.0
+        return self._draft_wait_ms
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)

@@ -35,7 +35,7 @@ class BenchRow:
     accepted_per_proposer: dict[str, int] | None = None
     accepted_per_depth: tuple[int, ...] | None = None
     server_ms_per_token: float | None = None
-    hop_ms: dict[str, float] | None = None  # the steps' wall time by hop (engine.requests.HOPS)
+    hop_ms: dict[str, float] | None = None  # the steps' wall time by hop (engine.requests.HOPS); None: older rows
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -62,7 +62,7 @@ def row_from_stats(prompt: EncodedPrompt, method: str, token_ids: Sequence[int],
         draft_tokens=int(stats["draft_tokens"]), accepted_per_proposer=dict(stats["accepted_per_proposer"]),
         accepted_per_depth=tuple(int(x) for x in stats["accepted_per_depth"]),
         server_ms_per_token=float(stats["ms_per_token"]) if remote else None,
-        hop_ms={hop: float(ms) for hop, ms in stats["hop_ms"].items()} if "hop_ms" in stats else None)
+        hop_ms={hop: float(ms) for hop, ms in stats["hop_ms"].items()})
 
 
 def append_json_line(path: Path, data: dict, sync: bool = False) -> None:

@@ -73,7 +73,8 @@ class IterationStats:
     """One iteration, for metrics: requests running and waiting after it, the target's KV blocks in
     use (None without a pool), drafted, accepted, emitted and prompt tokens, ms per phase
     (draft: drafting and merging, with their transport where they run in actors; verify: the target
-    pass, verification and commit, with its call), and the requests verified with at least one draft token (vLLM's ``num_drafts``)."""
+    pass, verification and commit, with its call), and the requests verified with at least one
+    draft token (vLLM's ``num_drafts``)."""
 
     iteration: int
     running: int
@@ -419,7 +420,7 @@ class _PhaseClock:
         self._last = now
 
     def move(self, source: str, target: str, ms: float) -> None:
-        """Book ``ms`` of ``source``'s time to ``target`` (at most all of it)."""
+        """Book ``ms`` of ``source``'s time to ``target`` (clamped to 0 .. all of it)."""
         ms = min(max(ms, 0.0), self.ms[source])
         self.ms[source] -= ms
         self.ms[target] += ms
