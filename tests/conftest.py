@@ -60,11 +60,10 @@ def pytest_collection_modifyitems(config, items):
     processes do not compete with the in-process tests for the CPUs; tests marked ``gpu`` need a
     CUDA device: skipped where there is none.
 
-    The suite runs in one process: on the 2-core box both halves already keep the CPUs busy, and
-    pytest-xdist gained nothing there (measured on the AMX Xeon: the in-process tests took 591 s
-    and 1,113 CPU-seconds on two workers, 478-592 s and 883 CPU-seconds on one, the box drifting
-    between runs; the Ray tests on two workers, each with its own Ray node and deploys, were still
-    running at 930 s, at 98 % CPU, against about 800 s on one)."""
+    The suite runs in one process: pytest-xdist gained nothing on the 2-core box (AMX Xeon). The
+    in-process tests took 591 s and 1,113 CPU-seconds on two workers, against 478-592 s (the box
+    drifts) and 883 CPU-seconds on one, which already keeps 1.5 cores busy; the Ray tests on two
+    workers (a Ray node and the deploys each) ran past 930 s at 98 % CPU, against about 800 s."""
     import torch
 
     items.sort(key=lambda item: item.get_closest_marker("ray") is not None)

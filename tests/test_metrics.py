@@ -400,7 +400,8 @@ def test_metrics_equal_the_request_statistics(metrics_app, metrics_url, tiny_mod
         return {p: delta(text, "specinfer:iteration_phase_seconds", phase=p) for p in ("draft", "verify")}
 
     def phases_cover_hops(text: str) -> bool:
-        return phases(text)["draft"] >= hops["draft"] + hops["merge"] and phases(text)["verify"] >= hops["verify"]
+        seconds = phases(text)
+        return seconds["draft"] >= hops["draft"] + hops["merge"] and seconds["verify"] >= hops["verify"]
 
     def complete(text: str) -> bool:  # every figure in: an export may carry an iteration's counters before its phases
         return (phases_cover_hops(text)
