@@ -186,17 +186,22 @@ def load_table(*files: str) -> str:
 
 def loop_load_table(*files: str) -> str:
     """The in-process engine loop under load (``bench/loop_load.py``): each level and method, its
-    ratio against incremental's tok/s, and where an iteration's time goes."""
+    ratio against incremental's tok/s, and where the time goes: the prompts' passes (prefill
+    seconds of the level's wall) and an iteration of decoding (its drafting and verify ms)."""
     rows = []
     for file in files:
         for level in load(file)["levels"]:
-            limit = level.get("of_limit")
+            prefill, decode = level["profile"]["prefill"], level["profile"]["decode"]
+            share = lambda key: fmt(level[key]) if level.get(key) else ""  # noqa: E731
             rows.append([str(level["streams"]), f"`{level['method']}`", fmt(level["aggregate_tokens_per_s"], ".1f"),
                          fmt(level["vs_incremental"]), fmt(level["ttft_ms_p50"], ".0f"),
-                         fmt(level["tokens_per_pass"]), fmt(level["phase_ms"]["draft"], ".0f"),
-                         fmt(level["phase_ms"]["verify"], ".0f"), fmt(limit) if limit else "", link(file)])
+                         fmt(level["tokens_per_pass"]), f"{prefill['seconds']:.1f} of {level['wall_s']:.1f}",
+                         fmt(decode["tokens_per_s"], ".1f"), fmt(decode["phase_ms"]["draft"], ".0f"),
+                         fmt(decode["phase_ms"]["verify"], ".0f"), share("of_limit"), share("decode_of_limit"),
+                         link(file)])
     return table(["streams", "method", "tok/s", "vs incremental tok/s", "TTFT p50 ms", "tokens / pass",
-                  "draft ms / iteration", "verify ms / iteration", "of the forward limit", "file"], rows)
+                  "prefill s of wall s", "decode tok/s", "decode: draft ms / iteration",
+                  "decode: verify ms / iteration", "of the forward limit", "decode: of the limit", "file"], rows)
 
 
 def gpu_sizes_table(*files: str) -> str:

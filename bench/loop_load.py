@@ -16,6 +16,10 @@ Figures per (method, level), written to ``OUT/loop_load.json`` and ``OUT/loop_lo
 * ``tokens_per_pass``: new tokens per target pass (one per iteration);
 * ``forward_limit_tokens_per_s`` (incremental): S tokens per pass at the measured verify-cost of an
   S-token pass, the most plain decoding could reach; ``of_limit``: incremental's share of it;
+  ``decode_of_limit``: the same share for the decode iterations alone (their tokens per second
+  against the limit at their mean tokens per pass), so that the prompts' passes are not counted;
+* ``profile``: the prefill iterations (a pass that fed prompt chunks) and the decode ones apart:
+  count, seconds, tokens, ms per phase (see ``split_profile``);
 * ``phase_ms``: an iteration's mean ms per phase (schedule, draft and merge, verify, commit) and the
   mean running requests: where the time goes.
 
@@ -32,11 +36,13 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from engine.loop import IterationStats
+from engine.budget import measure_target_curve
+from engine.loop import PHASES, IterationStats
 from engine.requests import GenerationRequest
 from settings.config import load_config
 
 from .methods import BASELINE, Method, resolve_methods
+from .machine import machine
 from .run import environment, load_tokenizer
 from .workloads import EncodedPrompt, load_workload
 
@@ -71,13 +77,36 @@ def run_level(engine, method: Method, workload: Sequence[EncodedPrompt], streams
 def level_figures(method: str, streams: int, wall_s: float, tokens: dict, first: dict,
                   iterations: Sequence[IterationStats], outputs: dict) -> dict:
     total = sum(tokens.values())
-    phases = {phase: statistics.fmean(s.ms[phase] for s in iterations) for phase in iterations[0].ms}
     return {"method": method, "streams": streams, "wall_s": wall_s, "new_tokens": total,
             "aggregate_tokens_per_s": total / wall_s, "ttft_ms_p50": statistics.median(first.values()),
             "iterations": len(iterations), "tokens_per_pass": total / len(iterations),
             "drafted_per_iteration": statistics.fmean(s.drafted_tokens for s in iterations),
             "running_mean": statistics.fmean(s.running for s in iterations),
-            "phase_ms": phases, "outputs": {str(k): v for k, v in outputs.items()}}
+            "phase_ms": phase_means(iterations), "profile": split_profile(iterations),
+            "outputs": {str(k): v for k, v in outputs.items()}}
+
+
+def phase_means(iterations: Sequence[IterationStats]) -> dict[str, float]:
+    """Mean ms per phase of an iteration (zeros for none)."""
+    return {phase: statistics.fmean(s.ms[phase] for s in iterations) if iterations else 0.0 for phase in PHASES}
+
+
+def split_profile(iterations: Sequence[IterationStats]) -> dict:
+    """Where a level's time goes: the iterations whose pass fed prompt chunks (``prefill``) and the
+    others (``decode``), each with its count, seconds, tokens emitted, mean running requests and mean
+    ms per phase; decode's tokens per second. Example: two decode iterations of 300 ms emitting 8
+    tokens each and one prefill of 1,200 ms -> decode 2 iterations, 0.6 s, 16 tokens, 26.7 tok/s."""
+    profile = {}
+    for part, chosen in (("prefill", [s for s in iterations if s.prompt_tokens]),
+                         ("decode", [s for s in iterations if not s.prompt_tokens])):
+        seconds = sum(sum(s.ms.values()) for s in chosen) / 1e3
+        emitted = sum(s.emitted_tokens for s in chosen)
+        profile[part] = {"iterations": len(chosen), "seconds": seconds, "emitted_tokens": emitted,
+                         "running_mean": statistics.fmean(s.running for s in chosen) if chosen else 0.0,
+                         "phase_ms": phase_means(chosen)}
+    decode = profile["decode"]
+    decode["tokens_per_s"] = decode["emitted_tokens"] / decode["seconds"] if decode["seconds"] else None
+    return profile
 
 
 def forward_limit(curve: dict[int, float] | None, streams: int) -> float | None:
@@ -98,6 +127,15 @@ def forward_limit(curve: dict[int, float] | None, streams: int) -> float | None:
     return streams * 1e3 / ms
 
 
+def mean_curve(before: dict[int, float] | None, after: dict[int, float] | None) -> dict[int, float] | None:
+    """The verify-cost curve measured before the levels and again after them, averaged per size
+    (a 2-core box drifts over a run); the sizes both have. {1: 200, 8: 300} and {1: 220, 8: 340} ->
+    {1: 210, 8: 320}."""
+    if not before or not after:
+        return before or after or None
+    return {size: (before[size] + after[size]) / 2 for size in before if size in after}
+
+
 def summarise(levels: list[dict], curve: dict[int, float] | None) -> list[dict]:
     """Per level: each method's figures and its ratio against incremental's aggregate tokens/s."""
     rows = []
@@ -109,18 +147,25 @@ def summarise(levels: list[dict], curve: dict[int, float] | None) -> list[dict]:
             limit = forward_limit(curve, level["streams"])
             row["forward_limit_tokens_per_s"] = limit
             row["of_limit"] = level["aggregate_tokens_per_s"] / limit if limit else None
+            decode = level["profile"]["decode"]  # incremental: one token per request in a pass
+            batch = decode["emitted_tokens"] / decode["iterations"] if decode["iterations"] else None
+            decode_limit = forward_limit(curve, batch) if batch else None
+            row["decode_of_limit"] = decode["tokens_per_s"] / decode_limit if decode_limit else None
         rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| streams | method | tok/s | vs incremental | TTFT p50 ms | tokens/pass | running | draft ms | "
-             "verify ms | of forward limit |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| streams | method | tok/s | vs incremental | TTFT p50 ms | tokens/pass | prefill s | decode tok/s | "
+             "decode draft ms | decode verify ms | of forward limit | decode of limit |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        limit = f"{r['of_limit']:.2f}" if r.get("of_limit") else ""
+        prefill, decode = r["profile"]["prefill"], r["profile"]["decode"]
+        share = lambda key: f"{r[key]:.2f}" if r.get(key) else ""  # noqa: E731
         lines.append(f"| {r['streams']} | {r['method']} | {r['aggregate_tokens_per_s']:.2f} | {r['vs_incremental']:.2f} "
-                     f"| {r['ttft_ms_p50']:.0f} | {r['tokens_per_pass']:.2f} | {r['running_mean']:.1f} | "
-                     f"{r['phase_ms']['draft']:.0f} | {r['phase_ms']['verify']:.0f} | {limit} |")
+                     f"| {r['ttft_ms_p50']:.0f} | {r['tokens_per_pass']:.2f} | {prefill['seconds']:.1f} | "
+                     f"{decode['tokens_per_s'] or 0:.2f} | {decode['phase_ms']['draft']:.0f} | "
+                     f"{decode['phase_ms']['verify']:.0f} | {share('of_limit')} | {share('decode_of_limit')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -145,15 +190,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
     methods = resolve_methods(args.methods.split(","), config)
     workload = load_workload(args.dataset, load_tokenizer(config), args.num_prompts)
     engine = build_engine(config, batched=True)
-    curve = dict(engine.cost.verify_ms) if engine.cost is not None else None
+    before = dict(engine.cost.verify_ms) if engine.cost is not None else None
     try:
         for method in methods:  # warm-up, not recorded: the largest level's shapes (prompt chunks, batches)
             run_level(engine, method, workload, max(streams), 4)
         levels = [run_level(engine, method, workload, s, args.max_new_tokens) for s in streams for method in methods]
+        after = measure_target_curve(engine.target, max(before), float("inf")) if before else None
     finally:
         close_engine(engine)
+    curve = mean_curve(before, after)
     rows = summarise(levels, curve)
-    result = {"environment": environment(), "settings": vars(args) | {"out": str(args.out)}, "curve": curve,
+    result = {"environment": environment(), "machine": machine(), "settings": vars(args) | {"out": str(args.out)},
+              "curve": curve, "curve_before": before, "curve_after": after,
               "levels": rows, "outputs": [{"method": l["method"], "streams": l["streams"], "outputs": l["outputs"]}
                                           for l in levels]}
     args.out.mkdir(parents=True, exist_ok=True)

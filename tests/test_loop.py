@@ -381,3 +381,50 @@ def test_loop_load_levels_are_exact_and_ratios_are_against_incremental(models):
         assert row["vs_incremental"] == pytest.approx(row["aggregate_tokens_per_s"] / base["aggregate_tokens_per_s"])
     assert rows[2]["forward_limit_tokens_per_s"] == pytest.approx(3 / 0.0115)
     assert [r["new_tokens"] for r in rows] == [12, 12, 36, 36]
+    for row in rows:  # every iteration is prefill or decode; every token is counted in one of them
+        prefill, decode = row["profile"]["prefill"], row["profile"]["decode"]
+        assert prefill["iterations"] >= 1 and prefill["iterations"] + decode["iterations"] == row["iterations"]
+        assert prefill["emitted_tokens"] + decode["emitted_tokens"] == row["new_tokens"]
+    decode = rows[2]["profile"]["decode"]  # incremental, 3 streams: its limit at its tokens per pass
+    batch = decode["emitted_tokens"] / decode["iterations"]
+    assert rows[2]["decode_of_limit"] == pytest.approx(decode["tokens_per_s"] / forward_limit_at(batch))
+
+
+def forward_limit_at(batch: float) -> float:
+    from bench.loop_load import forward_limit
+
+    return forward_limit({1: 10.0, 2: 11.0, 4: 12.0}, batch)
+
+
+def stats(prompt_tokens: int, emitted: int, ms: float, running: int = 2):
+    from engine.loop import IterationStats
+
+    return IterationStats(0, running, 0, 0, None, None, 0, 0, emitted, prompt_tokens,
+                          {"schedule": 0.0, "draft": 0.0, "verify": ms, "commit": 0.0})
+
+
+def test_split_profile_worked_example():
+    """Two decode iterations of 300 ms emitting 8 tokens each and one prefill of 1,200 ms."""
+    from bench.loop_load import split_profile
+
+    profile = split_profile([stats(40, 2, 1200.0), stats(0, 8, 300.0), stats(0, 8, 300.0)])
+    assert profile["prefill"]["iterations"] == 1 and profile["prefill"]["seconds"] == pytest.approx(1.2)
+    assert profile["prefill"]["emitted_tokens"] == 2 and profile["prefill"]["phase_ms"]["verify"] == 1200.0
+    decode = profile["decode"]
+    assert (decode["iterations"], decode["emitted_tokens"]) == (2, 16) and decode["seconds"] == pytest.approx(0.6)
+    assert decode["tokens_per_s"] == pytest.approx(16 / 0.6) and decode["phase_ms"]["verify"] == 300.0
+    assert split_profile([stats(40, 1, 900.0)])["decode"] == {
+        "iterations": 0, "seconds": 0.0, "emitted_tokens": 0, "running_mean": 0.0,
+        "phase_ms": {"schedule": 0.0, "draft": 0.0, "verify": 0.0, "commit": 0.0}, "tokens_per_s": None}
+
+
+@pytest.mark.parametrize("before, after, expected", [
+    ({1: 200.0, 8: 300.0}, {1: 220.0, 8: 340.0}, {1: 210.0, 8: 320.0}),
+    ({1: 200.0, 8: 300.0}, {1: 220.0}, {1: 210.0}),  # the sizes both have
+    ({1: 200.0}, None, {1: 200.0}),
+    (None, None, None),
+])
+def test_mean_curve_averages_the_curves_before_and_after(before, after, expected):
+    from bench.loop_load import mean_curve
+
+    assert mean_curve(before, after) == expected
