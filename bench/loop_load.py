@@ -169,6 +169,15 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def level_config(config, most_streams: int, disable_above_running: int | None):
+    """The config a run uses: every level's requests running at once (``max_concurrent_requests``:
+    the largest level), and ``disable_above_running`` where given."""
+    server = {"max_concurrent_requests": most_streams}
+    if disable_above_running is not None:
+        server["tree_budget"] = config.server.tree_budget.model_copy(update={"disable_above_running": disable_above_running})
+    return config.model_copy(update={"server": config.server.model_copy(update=server)})
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
@@ -178,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--disable-above-running", type=int, default=None,
+                        help="server.tree_budget.disable_above_running for this run (plain decoding above it)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -185,8 +196,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     config = load_config(args.config, dtype=args.dtype)
     streams = [int(s) for s in args.streams.split(",")]
-    config = config.model_copy(update={"server": config.server.model_copy(
-        update={"max_concurrent_requests": max(streams)})})
+    config = level_config(config, max(streams), args.disable_above_running)
     methods = resolve_methods(args.methods.split(","), config)
     workload = load_workload(args.dataset, load_tokenizer(config), args.num_prompts)
     engine = build_engine(config, batched=True)

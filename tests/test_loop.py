@@ -428,3 +428,16 @@ def test_mean_curve_averages_the_curves_before_and_after(before, after, expected
     from bench.loop_load import mean_curve
 
     assert mean_curve(before, after) == expected
+
+
+@pytest.mark.parametrize("disable_above, expected", [(16, 16), (None, None)])
+def test_loop_load_runs_every_level_at_once_and_may_disable_speculation_above(disable_above, expected):
+    from pathlib import Path
+
+    from bench.loop_load import level_config
+    from settings.config import load_config
+
+    config = load_config(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")
+    run = level_config(config, 32, disable_above)
+    assert run.server.max_concurrent_requests == 32 and run.server.tree_budget.disable_above_running == expected
+    assert run.server.tree_budget.slack == config.server.tree_budget.slack  # the rest as configured
