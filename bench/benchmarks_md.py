@@ -106,7 +106,8 @@ def machine_name(record: dict | None) -> str:
     isa = record.get("isa") or {}
     kind = "AMX" if isa.get("amx_bf16") else "AVX512-BF16" if isa.get("avx512_bf16") else \
         "AVX2" if isa.get("avx2") else "no AVX2"
-    return f"{kind} {record.get('cpu_model') or 'CPU'}"
+    name = f"{kind} {record.get('cpu_model') or 'CPU'}"
+    return f"{name} capped by {record['isa_cap']}" if record.get("isa_cap") else name
 
 
 def fmt(value, spec: str = ".2f") -> str:

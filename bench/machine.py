@@ -7,8 +7,10 @@ backfilled from the dated notes BENCHMARKS.md held, now docs/benchmark-history.m
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
+from typing import Mapping
 
 # The flags that change which CPU kernels run: AVX2 only, AVX-512, native bf16 dot products, AMX tiles.
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -53,15 +55,21 @@ def gpu_name() -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
-def machine(cpuinfo_path: Path = Path("/proc/cpuinfo"), repo: Path = REPO) -> dict:
-    """The record every result file carries under ``machine``."""
+def machine(cpuinfo_path: Path = Path("/proc/cpuinfo"), repo: Path = REPO,
+            env: Mapping[str, str] | None = None) -> dict:
+    """The record every result file carries under ``machine``. ``isa_cap``: the setting in ``env``
+    (default: this process's environment) that kept the kernels below the CPU's native bf16
+    (``ONEDNN_MAX_CPU_ISA=AVX2``: a native-bf16 machine run as an AVX2 one), None when none did."""
     import torch
+
+    from engine.dtypes import isa_restriction
 
     try:
         cpuinfo = cpuinfo_path.read_text()
     except OSError:
         cpuinfo = ""
     return {"recorded": "at run time", "cpu_model": cpu_model(cpuinfo), "isa": isa_flags(cpuinfo),
+            "isa_cap": isa_restriction(os.environ if env is None else env),
             "gpu": gpu_name(), "torch_threads": torch.get_num_threads(), "commit": git_commit(repo)}
 
 

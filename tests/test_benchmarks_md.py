@@ -80,6 +80,8 @@ def test_machine_names_from_records():
            "isa": {"avx2": True, "avx512_bf16": True, "amx_bf16": True}}
     assert md.machine_name(amx) == "AMX Xeon X"
     assert md.machine_name({**amx, "isa": {"avx2": True}, "cpu_model": "EPYC"}) == "AVX2 EPYC"
+    assert md.machine_name({**amx, "isa_cap": "ONEDNN_MAX_CPU_ISA=AVX2"}) == \
+        "AMX Xeon X capped by ONEDNN_MAX_CPU_ISA=AVX2"
     assert md.machine_name({**amx, "gpu": "NVIDIA H100"}) == "NVIDIA H100"
     assert md.machine_name({"recorded": "backfilled from BENCHMARKS.md", "name": "h200"}) == "H200"
     assert md.machine_name({"recorded": "unknown"}) == md.machine_name(None) == "unknown"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
 import torch
 
 from bench.machine import ISA_FLAGS, cpu_model, git_commit, isa_flags, machine, with_machine
@@ -58,6 +59,17 @@ def test_machine_record_reads_the_given_cpuinfo(tmp_path):
     assert record["commit"] is None and record["recorded"] == "at run time"
     assert record["gpu"] == (torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
     assert machine(tmp_path / "missing", repo=tmp_path)["cpu_model"] is None
+
+
+@pytest.mark.parametrize("env, cap", [
+    ({}, None),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}, "ONEDNN_MAX_CPU_ISA=AVX2"),
+    ({"ATEN_CPU_CAPABILITY": "avx2"}, "ATEN_CPU_CAPABILITY=avx2"),
+    ({"ONEDNN_MAX_CPU_ISA": "ALL", "ATEN_CPU_CAPABILITY": "avx512"}, None),
+])
+def test_machine_record_names_what_capped_the_isa(tmp_path, env, cap):
+    """A native-bf16 machine run as an AVX2 one says so in its record."""
+    assert machine(tmp_path / "missing", repo=tmp_path, env=env)["isa_cap"] == cap
 
 
 def test_with_machine_keeps_the_result_and_adds_the_record():
