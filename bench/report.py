@@ -153,7 +153,8 @@ def machine_lines(machine: dict | None) -> list[str]:
     if not machine:
         return []
     isa = ", ".join(flag for flag, present in machine.get("isa", {}).items() if present) or "none recorded"
-    return [f"CPU {machine.get('cpu_model') or 'unknown'} ({isa}); GPU {machine.get('gpu') or 'none'}; "
+    cap = f", capped by {machine['isa_cap']}" if machine.get("isa_cap") else ""
+    return [f"CPU {machine.get('cpu_model') or 'unknown'} ({isa}{cap}); GPU {machine.get('gpu') or 'none'}; "
             f"commit {machine.get('commit') or 'unknown'}."]
 
 

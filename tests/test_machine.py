@@ -77,3 +77,12 @@ def test_with_machine_keeps_the_result_and_adds_the_record():
     recorded = with_machine(result)
     assert recorded["rows"] == [1, 2] and set(recorded["machine"]) >= {"cpu_model", "isa", "gpu", "commit"}
     assert "machine" not in result
+
+
+def test_a_reports_machine_line_names_the_isa_cap():
+    from bench.report import machine_lines
+
+    record = {"cpu_model": "Xeon", "isa": {"avx2": True, "amx_bf16": True}, "isa_cap": "ONEDNN_MAX_CPU_ISA=AVX2",
+              "gpu": None, "commit": "abc"}
+    assert machine_lines(record) == ["CPU Xeon (avx2, amx_bf16, capped by ONEDNN_MAX_CPU_ISA=AVX2); GPU none; commit abc."]
+    assert machine_lines({**record, "isa_cap": None}) == ["CPU Xeon (avx2, amx_bf16); GPU none; commit abc."]
