@@ -358,6 +358,9 @@ def test_forward_limit_is_streams_per_pass_at_the_curves_cost(curve, streams, ex
     assert forward_limit(curve, streams) == (pytest.approx(expected) if expected else None)
 
 
+LEVEL_CURVE = {1: 10.0, 2: 11.0, 4: 12.0}  # the verify-cost curve the levels are summarised against
+
+
 def test_loop_load_levels_are_exact_and_ratios_are_against_incremental(models):
     """Both methods at two levels on the tiny pair: every output the target's greedy output, and
     each level's ratio taken against incremental's tok/s at the same level."""
@@ -375,7 +378,7 @@ def test_loop_load_levels_are_exact_and_ratios_are_against_incremental(models):
         for key, output in level["outputs"].items():
             prompt = prompts[(int(key) - min(map(int, level["outputs"]))) % len(prompts)]
             assert output == reference_greedy(models[0], list(prompt), 12)
-    rows = summarise(levels, {1: 10.0, 2: 11.0, 4: 12.0})
+    rows = summarise(levels, LEVEL_CURVE)
     for row in rows:
         base = next(r for r in rows if r["streams"] == row["streams"] and r["method"] == "incremental")
         assert row["vs_incremental"] == pytest.approx(row["aggregate_tokens_per_s"] / base["aggregate_tokens_per_s"])
@@ -393,7 +396,7 @@ def test_loop_load_levels_are_exact_and_ratios_are_against_incremental(models):
 def forward_limit_at(batch: float) -> float:
     from bench.loop_load import forward_limit
 
-    return forward_limit({1: 10.0, 2: 11.0, 4: 12.0}, batch)
+    return forward_limit(LEVEL_CURVE, batch)
 
 
 def stats(prompt_tokens: int, emitted: int, ms: float, running: int = 2):
