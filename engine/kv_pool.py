@@ -132,12 +132,14 @@ def heads_per_shard(model_config, shards: int) -> int:
 
 
 class KVStorage:
-    """Keys and values of every layer for a pool's slots (``kv_heads``: this process's heads)."""
+    """Keys and values of every layer for a pool's slots (``kv_heads``: this process's heads), head
+    first: a request's entries gathered along the slots (``index_select(1, slots)``) come out as
+    ``[H, C, D]``, the layout attention multiplies, in one copy."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slots: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        self.keys = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros_like(k) for k in self.keys]  # each [slots, H, D]
+        self.keys = [torch.zeros(kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros_like(k) for k in self.keys]  # each [H, slots, D]
 
     @classmethod
     def for_model(cls, model, slots: int, shards: int = 1) -> "KVStorage":
@@ -153,8 +155,8 @@ class KVStorage:
             return
         source, target = moves.to(self.keys[0].device)
         for keys, values in zip(self.keys, self.values):
-            keys[target] = keys[source]
-            values[target] = values[source]
+            keys[:, target] = keys[:, source]
+            values[:, target] = values[:, source]
 
 
 def block_slots(blocks, block_size: int, start: int, stop: int) -> torch.Tensor:  # -> [stop - start]

@@ -221,31 +221,58 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if paged is None:
         return unpaged_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
                                  softcap, **kwargs)
-    keys, values = paged.storage.keys[module.layer_idx], paged.storage.values[module.layer_idx]
-    keys[paged.write_slots] = key[0].transpose(0, 1).to(keys.dtype)
-    values[paged.write_slots] = value[0].transpose(0, 1).to(values.dtype)
+    keys, values = paged.storage.keys[module.layer_idx], paged.storage.values[module.layer_idx]  # [H, slots, D]
+    keys[:, paged.write_slots] = key[0].to(keys.dtype)
+    values[:, paged.write_slots] = value[0].to(values.dtype)
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, Hq, D]
     for segment in paged.reads:
-        k = keys[segment.slots].transpose(0, 1)[None].to(query.dtype)  # [1, H, C, D]
-        v = values[segment.slots].transpose(0, 1)[None].to(query.dtype)
+        k = keys.index_select(1, segment.slots)[None].to(query.dtype)  # [1, H, C, D]
+        v = values.index_select(1, segment.slots)[None].to(query.dtype)
         o = attend(query[:, :, segment.start:segment.stop], k, v, segment.bias(sliding_window).to(query.dtype),
                    scaling, softcap)
         out[segment.start:segment.stop] = o[0].transpose(0, 1)
     return out[None], None
 
 
+# On a CPU, SDPA's reduced-precision kernel is slow for a few queries: over 600 keys (12 query heads,
+# 2 KV heads, head size 128, bf16, 2-core AVX512-BF16 EPYC) one query took 621 us against 64 us as
+# two matmuls and a float32 softmax (``matmul_attention``); 16 queries 784 against 170 us; from 32
+# queries on they are even. In float32 SDPA is as fast. Queries up to this many take the matmuls:
+MATMUL_MAX_QUERIES = 16
+
+
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
-           scaling: float | None, softcap: float | None) -> torch.Tensor:  # -> [1, Hq, n, D]
-    """Attention of query [1, Hq, n, D] over key/value [1, H, C, D] (grouped heads) under the additive
-    bias [1, 1, n, C]: SDPA, or with a logit ``softcap`` the eager computation Gemma 2 defines
-    (scores * scaling, then softcap * tanh(scores / softcap), then the bias, softmax in float32)."""
-    if softcap is None:
+           scaling: float | None, softcap: float | None) -> torch.Tensor:  # -> [B, Hq, n, D]
+    """Attention of query [B, Hq, n, D] over key/value [B, H, C, D] (grouped heads) under the additive
+    bias [B or 1, 1, n, C]: SDPA, or ``matmul_attention`` with a logit ``softcap`` (which SDPA cannot
+    apply) or where it is faster (``matmul_wins``)."""
+    if softcap is None and not matmul_wins(query):
         return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scaling, enable_gqa=True)
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)  # [1, Hq, n, C]
-    scores = torch.tanh(scores / softcap) * softcap + bias
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype) @ value
+    return matmul_attention(query, key, value, bias, scaling, softcap)
+
+
+def matmul_wins(query: torch.Tensor) -> bool:  # query [B, Hq, n, D]
+    """Whether ``matmul_attention`` beats SDPA here: reduced precision on a CPU, at most
+    ``MATMUL_MAX_QUERIES`` queries."""
+    return query.device.type == "cpu" and query.dtype != torch.float32 and query.shape[2] <= MATMUL_MAX_QUERIES
+
+
+def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
+                     scaling: float | None, softcap: float | None) -> torch.Tensor:  # -> [B, Hq, n, D]
+    """The eager computation (Gemma 2's with a ``softcap``): scores = query . key * scaling, then
+    softcap * tanh(scores / softcap), then the bias, softmax in float32, times the values. Query head
+    h reads KV head h // (Hq / H) (Hugging Face's ``repeat_kv`` order): each KV head's queries are
+    one matmul, with no copy of the keys per query head."""
+    batch, heads, n, size = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads * n, size)  # [B, H, Hq / H * n, D]
+    scores = (grouped @ key.transpose(2, 3)).view(batch, heads, n, keys)  # [B, Hq, n, C]
+    scores = scores * (size ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    weights = torch.softmax(scores + bias, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = weights.view(batch, kv_heads, heads // kv_heads * n, keys) @ value  # [B, H, Hq / H * n, D]
+    return out.view(batch, heads, n, size)
 
 
 def unpaged_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
@@ -253,7 +280,7 @@ def unpaged_attention(module, query, key, value, attention_mask, scaling, dropou
     """A forward without a PagedContext (the DynamicCache path): SDPA, or ``attend`` where the layer
     has a logit softcap, which SDPA cannot apply. Its mask comes from SDPA's builder (registered
     with the attention): a bool mask, or None where the forward is plainly causal."""
-    if softcap is None:
+    if softcap is None and not matmul_wins(query):
         return _sdpa_attention()(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                  sliding_window=sliding_window, **kwargs)
     queries, keys = query.shape[2], key.shape[2]

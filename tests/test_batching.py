@@ -221,16 +221,16 @@ def test_block_table_slots_and_keep_move_only_the_path():
     storage = KVStorage(num_layers=1, kv_heads=1, head_dim=1, slots=pool.num_slots, dtype=torch.float32)
     sequence = PagedSequence(pool)
     slots = sequence.append(10)  # entries 0..9 as speculative
-    storage.keys[0][slots, 0, 0] = torch.arange(10, dtype=torch.float32)
+    storage.keys[0][0, slots, 0] = torch.arange(10, dtype=torch.float32)
     sequence.keep(list(range(6)))  # commit 6, drop 4: nothing moves
     assert (sequence.length, len(sequence.blocks)) == (6, 2) and pool.take_moves().shape == (2, 0)
     new = sequence.append(5)  # tree nodes 0..4 at entries 6..10
-    storage.keys[0][new, 0, 0] = torch.tensor([60.0, 61, 62, 63, 64])
+    storage.keys[0][0, new, 0] = torch.tensor([60.0, 61, 62, 63, 64])
     sequence.keep([0, 3, 4])
     moves = pool.take_moves()  # [2, 2]: entries 9, 10 -> 7, 8 (the storage applies them in the next forward)
     assert moves.tolist() == [sequence.slots(9, 11).tolist(), sequence.slots(7, 9).tolist()]
     storage.move(moves)
-    assert storage.keys[0][sequence.slots(0, 9), 0, 0].tolist() == [0, 1, 2, 3, 4, 5, 60, 63, 64]
+    assert storage.keys[0][0, sequence.slots(0, 9), 0].tolist() == [0, 1, 2, 3, 4, 5, 60, 63, 64]
     assert len(sequence.blocks) == 3 and pool.num_free == 5
     sequence.release()
     assert pool.num_free == 8
@@ -477,7 +477,7 @@ def test_chunked_prefill_gives_the_one_forward_logits_and_entries(models, chunk,
     torch.testing.assert_close(chunked, one, rtol=1e-5, atol=1e-5)
     ours, theirs = batcher.model.runner.storage, reference.model.runner.storage
     for mine, other in zip(ours.keys + ours.values, theirs.keys + theirs.values):
-        torch.testing.assert_close(mine[state.slots(0, 10)], other[whole.slots(0, 10)], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine[:, state.slots(0, 10)], other[:, whole.slots(0, 10)], rtol=1e-5, atol=1e-5)
 
 
 def test_a_chunk_must_hold_a_token(models):
@@ -692,3 +692,45 @@ def test_moving_average_starts_at_the_first_measurement_then_keeps_four_fifths(l
     from engine.timing import moving_average
 
     assert moving_average(last, value) == pytest.approx(expected)
+
+
+# -- Attention over a request's slots (engine.packed.attend). -------------------------------------
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads, queries, keys, softcap", [
+    (1, 6, 2, 3, 10, None),  # grouped query heads: 3 per KV head
+    (1, 4, 4, 1, 7, None),  # one query, as in a decode step
+    (2, 8, 2, 5, 9, None),  # several requests' segments at once
+    (1, 4, 2, 4, 6, 5.0),  # a logit softcap (gemma2)
+])
+def test_matmul_attention_is_sdpa_and_the_eager_softcap(batch, heads, kv_heads, queries, keys, softcap):
+    """fp32: the matmul path equals SDPA with the additive mask (or, with a softcap, the eager
+    computation over repeated KV heads), masked keys included."""
+    import torch.nn.functional as F
+
+    from engine.packed import matmul_attention
+
+    generator = torch.Generator().manual_seed(queries * keys)
+    q, k, v = (torch.randn(batch, h, n, 16, generator=generator)
+               for h, n in ((heads, queries), (kv_heads, keys), (kv_heads, keys)))
+    visible = torch.rand(batch, 1, queries, keys, generator=generator) > 0.3
+    visible[..., 0] = True
+    bias = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+    if softcap is None:
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    else:
+        groups = heads // kv_heads
+        scores = q @ k.repeat_interleave(groups, 1).transpose(2, 3) * 16 ** -0.5
+        weights = torch.softmax(torch.tanh(scores / softcap) * softcap + bias, dim=-1)
+        expected = weights @ v.repeat_interleave(groups, 1)
+    torch.testing.assert_close(matmul_attention(q, k, v, bias, None, softcap), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, queries, expected", [
+    (torch.bfloat16, 1, True), (torch.bfloat16, 16, True), (torch.bfloat16, 17, False),
+    (torch.float16, 4, True), (torch.float32, 1, False),  # float32: SDPA is as fast, and exactness is checked in it
+])
+def test_matmul_wins_for_few_reduced_precision_queries_on_a_cpu(dtype, queries, expected):
+    from engine.packed import matmul_wins
+
+    assert matmul_wins(torch.zeros(1, 4, queries, 8, dtype=dtype)) is expected

@@ -136,7 +136,7 @@ def test_int8_ssm_with_a_bf16_table_drafts_as_with_a_float32_table(paged):
     it generates with the same SSM holding a float32 table (same tokens, same accepted drafts)."""
     from engine.requests import GenerationRequest, SpeculationOptions
 
-    request = GenerationRequest(tuple(range(30, 45)), 24, speculation=SpeculationOptions(expansion=(2, 2, 1)))
+    request = GenerationRequest(tuple(range(50, 65)), 24, speculation=SpeculationOptions(expansion=(4, 2, 1)))
     got, want = (int8_pair_engine(paged, table).generate(request) for table in (False, True))
     assert got.token_ids == want.token_ids
     assert (got.stats.accepted_per_depth, got.stats.tree_sizes) == (want.stats.accepted_per_depth, want.stats.tree_sizes)

@@ -235,7 +235,7 @@ def entries(drafter: ModelDrafter, state) -> list[tuple[torch.Tensor, torch.Tens
         storage = drafter.batcher.model.runner.storage
         storage.move(drafter.pool.take_moves())  # what the next forward would apply first
         slots = state.slots(0, state.length)
-        return [(k[slots].clone(), v[slots].clone()) for k, v in zip(storage.keys, storage.values)]
+        return [(k[:, slots].clone(), v[:, slots].clone()) for k, v in zip(storage.keys, storage.values)]
     return [(layer.keys[0, :, :].transpose(0, 1).clone(), layer.values[0].transpose(0, 1).clone())
             for layer in state.layers]
 

@@ -100,7 +100,7 @@ def paged_step(paged: PagedModel, prefixes: list[int], repeats: int) -> tuple[fl
             sequence.truncate(sequence.length)
 
     ms = median_ms(step, repeats)
-    per_slot = sum(k.element_size() * k[0].numel() * 2 for k in paged.runner.storage.keys)
+    per_slot = sum(k.element_size() * k[:, 0].numel() * 2 for k in paged.runner.storage.keys)
     held = sum(len(s.blocks) for s in sequences) * paged.pool.block_size * per_slot
     for sequence in sequences:
         sequence.release()
