@@ -24,6 +24,9 @@ Figures per (method, level), written to ``OUT/loop_load.json`` and ``OUT/loop_lo
   mean running requests: where the time goes.
 
 The ratio against incremental is the level's aggregate tokens per second over incremental's.
+The engine's draft gate (``engine.draft_gate``: how many requests draft is measured, per load)
+persists across the levels, as in a server; ``--gate-ab`` also runs every speculative method with
+the gate off, labelled "METHOD (no gate)", interleaved with the others.
 """
 
 from __future__ import annotations
@@ -49,9 +52,12 @@ from .workloads import EncodedPrompt, load_workload
 logger = logging.getLogger(__name__)
 
 
-def run_level(engine, method: Method, workload: Sequence[EncodedPrompt], streams: int, max_new_tokens: int) -> dict:
-    """S requests submitted at once; the loop stepped until every one has finished."""
-    loop, seen = engine.loop, []
+def run_level(engine, method: Method, workload: Sequence[EncodedPrompt], streams: int, max_new_tokens: int,
+              gated: bool = True) -> dict:
+    """S requests submitted at once; the loop stepped until every one has finished. ``gated``: with
+    the engine's draft gate (it persists across levels, as in a server), else with none."""
+    loop, seen, gate = engine.loop, [], engine.loop.gate
+    loop.gate = gate if gated else None
     loop.observers.append(seen.append)
     try:
         began = time.perf_counter()
@@ -71,7 +77,15 @@ def run_level(engine, method: Method, workload: Sequence[EncodedPrompt], streams
         wall_s = time.perf_counter() - began
     finally:
         loop.observers.remove(seen.append)
-    return level_figures(method.spelling, streams, wall_s, tokens, first, seen, outputs)
+        loop.gate = gate
+    label = method.spelling if gated or method.spelling == BASELINE else f"{method.spelling} (no gate)"
+    return level_figures(label, streams, wall_s, tokens, first, seen, outputs)
+
+
+def variants(methods: Sequence[Method], gate_ab: bool) -> list[tuple[Method, bool]]:
+    """(method, gated) runs per level: each method with the gate; with ``gate_ab`` every method but
+    the baseline without it too, right after it."""
+    return [(m, gated) for m in methods for gated in ((True, False) if gate_ab and m.spelling != BASELINE else (True,))]
 
 
 def level_figures(method: str, streams: int, wall_s: float, tokens: dict, first: dict,
@@ -81,6 +95,7 @@ def level_figures(method: str, streams: int, wall_s: float, tokens: dict, first:
             "aggregate_tokens_per_s": total / wall_s, "ttft_ms_p50": statistics.median(first.values()),
             "iterations": len(iterations), "tokens_per_pass": total / len(iterations),
             "drafted_per_iteration": statistics.fmean(s.drafted_tokens for s in iterations),
+            "drafts_per_iteration": statistics.fmean(s.drafts for s in iterations),
             "running_mean": statistics.fmean(s.running for s in iterations),
             "phase_ms": phase_means(iterations), "profile": split_profile(iterations),
             "outputs": {str(k): v for k, v in outputs.items()}}
@@ -189,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--disable-above-running", type=int, default=None,
                         help="server.tree_budget.disable_above_running for this run (plain decoding above it)")
+    parser.add_argument("--gate-ab", action="store_true",
+                        help="also run each speculative method with the draft gate off (\"METHOD (no gate)\")")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -204,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     try:
         for method in methods:  # warm-up, not recorded: the largest level's shapes (prompt chunks, batches)
             run_level(engine, method, workload, max(streams), 4)
-        levels = [run_level(engine, method, workload, s, args.max_new_tokens) for s in streams for method in methods]
+        levels = [run_level(engine, method, workload, s, args.max_new_tokens, gated)
+                  for s in streams for method, gated in variants(methods, args.gate_ab)]
         after = measure_target_curve(engine.target, max(before), float("inf")) if before else None
     finally:
         close_engine(engine)

@@ -104,7 +104,8 @@ def build_engine(config: EngineConfig, batched: bool = False) -> SpeculativeEngi
     return SpeculativeEngine(target_model, drafters, target.tokenizer, eos_token_ids(target),
                              max_context=_graph_context(config, target_model) if graphs else None,
                              cost=tree_cost(config, curve), limits=_limits(config, batched),
-                             tree_budget=_tree_budget(config, curve) if batched else None)
+                             tree_budget=_tree_budget(config, curve) if batched else None,
+                             draft_gate=config.server.tree_budget.draft_gate)
 
 
 def _paged_target(config: EngineConfig, target_model: TargetModel) -> PagedTarget:

@@ -115,6 +115,9 @@ SPECS = {spec.name: spec for spec in (
     MetricSpec("specinfer:kv_cache_usage_perc", GAUGE,
                "Fraction of the verifier's KV pool blocks in use (0 to 1), after the last iteration."),
     MetricSpec("specinfer:iterations", COUNTER, "Engine loop iterations (one target pass for all requests each)."),
+    MetricSpec("specinfer:draft_limit", GAUGE,
+               "Requests the engine loop's draft gate lets draft with their cost-aware SSMs at the load of "
+               "the last iteration (engine.draft_gate); 0 while drafting sits out."),
     MetricSpec("specinfer:iteration_phase_seconds", COUNTER,
                "Seconds of engine loop iterations by phase: schedule, draft (drafting and merging, with the "
                "actor calls' transport), verify (the target pass, verification and commit, as long as the "
@@ -250,6 +253,8 @@ class ServingMetrics:
         if s.kv_blocks_total:
             m["specinfer:kv_cache_usage_perc"].set(s.kv_blocks_used / s.kv_blocks_total)
         m["specinfer:iterations"].inc(1)
+        if s.draft_limit is not None:
+            m["specinfer:draft_limit"].set(s.draft_limit)
         for phase, ms in s.ms.items():
             _inc(m["specinfer:iteration_phase_seconds"], ms / 1e3, {"phase": phase})
         for name, value in ITERATION_TOKENS.items():

@@ -162,7 +162,7 @@ class SpecInferIngress:
         limits = LoopLimits(server.max_concurrent_requests, server.max_waiting_requests, chunk)
         executor = ActorExecutor(self.group, self.liveness, self.info.kv_capacity_tokens, server.batching.block_size)
         loop = EngineLoop(executor, self.tokenizer, self.eos_ids, limits, self.cost,
-                          self.budget.per_request if self.budget else None)
+                          self.budget.per_request if self.budget else None, server.tree_budget.draft_gate)
         loop.observers.append(self._observe_iteration)  # gauges and token counters every iteration
         self._woken, self._streams = asyncio.Event(), {}
         self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(loop))

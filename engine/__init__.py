@@ -7,7 +7,8 @@ A speculative step is four calls: draft -> merge -> verify -> commit. ``loop.Eng
 for every running request together (one packed forward per SSM tree level, one target pass per
 iteration) through an executor (``phases``: the models in this process). Model work is written as
 forward programs (``programs``: generators that yield the forwards they need), so the same code
-runs one request alone or a whole batch.
+runs one request alone or a whole batch. Under load the loop's ``draft_gate`` lets only as many
+requests draft as the measured goodput says pay.
 
 Glossary of dimension letters used in tensor shape comments (``# [N, V]``):
 
@@ -28,10 +29,11 @@ Glossary of dimension letters used in tensor shape comments (``# [N, V]``):
     G  nodes of a proposer's own best path, root excluded (prefetch guesses the outcome along it)
     V  vocabulary size
     L  transformer layers
-    H  key/value heads
+    H  key/value heads (Hq: query heads)
     D  head dimension
 """
 
 __all__ = ["tree", "models", "kv", "draft", "merge", "verify", "sampling", "target", "requests", "step", "generate",
            "kv_pool", "packed", "batcher", "paged_models", "budget", "shape", "text", "offload", "prefetch",
-           "timing", "fused_int8", "graphs", "graphed_models", "programs", "loop", "phases", "dtypes"]
+           "timing", "fused_int8", "graphs", "graphed_models", "programs", "loop", "phases", "dtypes",
+           "draft_gate"]

@@ -82,7 +82,7 @@ class SpeculativeEngine:
 
     def __init__(self, target: Target, drafters: Sequence[object], tokenizer, eos_ids,
                  max_context: int | None = None, cost: TreeCost | None = None, limits: LoopLimits | None = None,
-                 tree_budget: Callable[[int], int | None] | None = None):
+                 tree_budget: Callable[[int], int | None] | None = None, draft_gate: bool = True):
         self.target, self.drafters, self.tokenizer = target, list(drafters), tokenizer
         self.eos_ids = frozenset(eos_ids)
         self.names = tuple(d.name for d in self.drafters)
@@ -92,7 +92,7 @@ class SpeculativeEngine:
         self.pool = ThreadPoolExecutor(max(1, len(self.drafters)), thread_name_prefix="prefetch")
         if limits is None:
             limits = LoopLimits(max_running=1) if isinstance(target, GraphedTarget) else LoopLimits()
-        self.loop = local_loop(target, self.drafters, tokenizer, self.eos_ids, limits, cost, tree_budget)
+        self.loop = local_loop(target, self.drafters, tokenizer, self.eos_ids, limits, cost, tree_budget, draft_gate)
 
     @property
     def cost(self) -> TreeCost | None:

@@ -38,6 +38,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 import torch
 
 from .budget import RunningLoad
+from .draft_gate import Candidate, DraftGate, Sample
 from .kv_pool import PoolExhausted
 from .requests import GenerationRequest, StepOutcome, StepUpdate
 from .shape import TreeCost
@@ -88,6 +89,7 @@ class IterationStats:
     prompt_tokens: int
     ms: dict[str, float]
     drafts: int = 0
+    draft_limit: int | None = None  # the draft gate's limit after the iteration (None: no gate)
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ class LoopRequest:
     error: BaseException | None = None
     finished: bool = False
     passed_over: int = 0  # passes that took other prompts' chunks while this one waited for its next
+    drafted_at: int = 0  # committed tokens when its cost-aware SSMs last drafted (what they hold)
 
     @property
     def prefilling(self) -> bool:
@@ -154,14 +157,18 @@ class EngineLoop:
     """The loop over an executor (``engine.phases.local_loop`` builds one over models in
     this process). ``cost``: the cost model of cost-aware shapes (None: schedules);
     ``tree_budget(running)``: the most nodes a tree may have with that many running requests (None:
-    the request's own limit)."""
+    the request's own limit); ``draft_gate``: with ``cost``, how many requests draft is measured
+    (``engine.draft_gate``; False: all that plan to)."""
 
     def __init__(self, executor: Executor, tokenizer, eos_ids, limits: LoopLimits = LoopLimits(),
-                 cost: TreeCost | None = None, tree_budget: Callable[[int], int | None] | None = None):
+                 cost: TreeCost | None = None, tree_budget: Callable[[int], int | None] | None = None,
+                 draft_gate: bool = True):
         self.executor, self.tokenizer = executor, tokenizer
         self.eos_ids, self.limits, self.cost, self.tree_budget = frozenset(eos_ids), limits, cost, tree_budget
         self.names, self.neural = executor.names, executor.neural
         self.load = RunningLoad() if cost is not None else None
+        self.gate = DraftGate(cost, most=limits.max_running) if cost is not None and draft_gate else None
+        self._catch_up = 0  # committed tokens the SSMs of this iteration's new drafters lack
         self.waiting: deque[LoopRequest] = deque()
         self.running: list[LoopRequest] = []
         self.requests: dict[int, LoopRequest] = {}
@@ -256,7 +263,7 @@ class EngineLoop:
             self.running = [r for r in self.running if not r.finished]  # cancelled since the last iteration
             self._admit()
             decoding, chunks = [r for r in self.running if not r.prefilling], self._chunks_this_pass()
-            plans = {r.id: r.session.plan_step() for r in decoding}
+            plans = self._gated({r.id: r.session.plan_step() for r in decoding}, decoding, clean=not chunks)
             clock.lap("schedule")
             self._in_pass = {r.id for r in decoding + chunks}
             try:
@@ -273,7 +280,35 @@ class EngineLoop:
                 self._release_after = []
             counts = self._commit(decoding, plans, chunks, results, clock.ms)
             clock.lap("commit")
+            self._observe(decoding, plans, counts, clock.ms)
             return self._record(counts, clock.ms)
+
+    def _gated(self, plans: dict[int, StepPlan], decoding: list[LoopRequest], clean: bool) -> dict[int, StepPlan]:
+        """The plans with the cost-aware proposers left out of the requests the draft gate holds back."""
+        if self.gate is None:
+            return plans
+        candidates = [Candidate(r.id, len(r.session.committed) - r.drafted_at,
+                                r.request.max_new_tokens - r.session.stats.new_tokens, r.id in self.gate.drafters)
+                      for r in decoding if plans[r.id].cost_aware]
+        allowed = self.gate.choose(candidates, len(decoding), clean)
+        self._catch_up = sum(c.lag for c in candidates if c.request_id in allowed and not c.drafted_last)
+        for r in decoding:
+            plan = plans[r.id]
+            if plan.cost_aware and r.id not in allowed:
+                plans[r.id] = StepPlan(tuple(a for a in plan.assignments if not a.spec.cost_aware))
+            elif plan.cost_aware:
+                r.drafted_at = len(r.session.committed)
+        return plans
+
+    def _observe(self, decoding: list[LoopRequest], plans: dict[int, StepPlan], counts: dict[str, int],
+                 ms: dict[str, float]) -> None:
+        """The iteration, to the draft gate."""
+        if self.gate is None:
+            return
+        drafters = frozenset(r.id for r in decoding if plans[r.id].cost_aware)
+        self.gate.observe(drafters, Sample(len(decoding), counts["drafted"], counts["accepted"],
+                                           len(decoding) + counts["drafted"] + counts["prompt"], ms["draft"],
+                                           ms["verify"], self._catch_up))
 
     def _admit(self) -> None:
         """Waiting requests join, in order, while the batch limit and the KV memory allow."""
@@ -387,7 +422,7 @@ class EngineLoop:
         self.last = IterationStats(self.iterations, len(self.running), len(self.waiting),
                                    sum(r.prefilling for r in self.running), used, total,
                                    counts["drafted"], counts["accepted"], counts["emitted"], counts["prompt"],
-                                   dict(ms), counts["drafts"])
+                                   dict(ms), counts["drafts"], None if self.gate is None else self.gate.limit)
         for observer in self.observers:
             observer(self.last)
         return self.last

@@ -205,7 +205,8 @@ class LocalExecutor:
 
 
 def local_loop(target: Target, drafters: Sequence[object], tokenizer, eos_ids, limits: LoopLimits = LoopLimits(),
-               cost: TreeCost | None = None, tree_budget: Callable[[int], int | None] | None = None) -> EngineLoop:
+               cost: TreeCost | None = None, tree_budget: Callable[[int], int | None] | None = None,
+               draft_gate: bool = True) -> EngineLoop:
     """An engine loop over ``target`` and ``drafters`` in this process."""
     return EngineLoop(LocalExecutor(target, drafters, limits.chunk_tokens), tokenizer, eos_ids, limits, cost,
-                      tree_budget)
+                      tree_budget, draft_gate)

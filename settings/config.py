@@ -192,6 +192,10 @@ class TreeBudgetConfig(Strict):
     disable_above_running: int | None = Field(
         default=None, ge=1, description="with more running requests than this, no request speculates (plain "
                                          "decoding; like vLLM's speculative_disable_by_batch_size); null: never")
+    draft_gate: bool = Field(
+        default=True, description="with cost-aware trees (speculation.policy: cost), the engine loop measures "
+                                  "what drafting buys the batch against plain decoding and lets only as many "
+                                  "requests draft as pay (engine.draft_gate); false: every request may draft")
 
 
 class HealthConfig(Strict):

@@ -444,3 +444,19 @@ def test_loop_load_runs_every_level_at_once_and_may_disable_speculation_above(di
     run = level_config(config, 32, disable_above)
     assert run.server.max_concurrent_requests == 32 and run.server.tree_budget.disable_above_running == expected
     assert run.server.tree_budget.slack == config.server.tree_budget.slack  # the rest as configured
+
+
+def test_gate_ab_runs_each_speculative_method_without_the_gate_too_and_keeps_the_gate(models):
+    from bench.loop_load import run_level, variants
+    from bench.methods import Method
+    from bench.workloads import EncodedPrompt, Prompt
+
+    methods = [Method("incremental", "engine", SpeculationOptions(mode="incremental")), Method("tree", "engine", TREE)]
+    assert [(m.spelling, gated) for m, gated in variants(methods, True)] == [
+        ("incremental", True), ("tree", True), ("tree", False)]
+    assert [(m.spelling, gated) for m, gated in variants(methods, False)] == [("incremental", True), ("tree", True)]
+    loop = paged_loop(models)
+    loop.gate = gate = object()  # whatever the engine's gate is, a level without it puts it back
+    engine = type("Engine", (), {"loop": loop})()
+    level = run_level(engine, methods[1], [EncodedPrompt(Prompt("0", "", False), tuple(range(3, 9)))], 1, 4, False)
+    assert level["method"] == "tree (no gate)" and loop.gate is gate

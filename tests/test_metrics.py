@@ -172,10 +172,11 @@ def test_each_loop_iteration_sets_the_gauges_and_counts_tokens_once():
 
     metrics, m = fake_metrics(), None
     ms = {"schedule": 1.0, "draft": 20.0, "verify": 30.0, "commit": 2.0}
-    for waiting, used in ((3, 40), (1, 25)):
+    for waiting, used, limit in ((3, 40, 4), (1, 25, None)):
         metrics.iteration(IterationStats(7, 2, waiting, 0, used, 100, drafted_tokens=10, accepted_tokens=4,
-                                         emitted_tokens=6, prompt_tokens=16, ms=ms, drafts=2))
+                                         emitted_tokens=6, prompt_tokens=16, ms=ms, drafts=2, draft_limit=limit))
     m = metrics.metrics
+    assert m["specinfer:draft_limit"].calls == [(4, {})]  # set where the loop has a gate
     assert m["specinfer:num_requests_waiting"].calls == [(3, {}), (1, {})]
     assert m["specinfer:kv_cache_usage_perc"].calls == [(0.4, {}), (0.25, {})]
     assert m["specinfer:iterations"].total() == 2

@@ -1,0 +1,283 @@
+"""How many running requests draft this iteration: as many as pay, measured on the batch.
+
+Under load the target's verify pass turns compute-bound and the SSMs' packed forwards cost a
+share of it too, so past some batch size drafting costs the batch more than the tokens it adds.
+The cost-aware shapes (``engine.shape``) choose each tree's size with the draft already spent;
+this gate counts the draft as a cost the batch may avoid: speculation where it pays, plain decoding
+where it does not (the issue's "goodput chooses no speculation where it does not pay").
+
+Each iteration at most ``limit`` requests draft with their cost-aware proposers; the others decode
+plainly that iteration (model-free proposers still draft). After each *steady* iteration (every
+drafting request also drafted in the one before, so no SSM fed a stretch of context it lacked) the
+gate measures what the drafting bought against plain decoding (``drafting_pays``). The mean of two
+such samples decides: paying doubles the limit (where it bound), not paying halves it; at 0 the
+gate sits out 1, 2, 4, ... iterations (at most ``max_wait``), then one request drafts again. The
+gate keeps this state per load (a power-of-two bucket of the running count, ``Load``), so a
+server that returns to a load it knows resumes what it found there, and a load it has not measured
+starts from a prediction out of the nearest one it has (``predicted_ratio``).
+
+Who drafts when not all may: those that drafted in the iteration before (nothing to catch up),
+then the least *lag* (committed tokens the SSMs lack: a request's whole context before its first
+draft). A request whose lag exceeds ``JOIN_RATIO`` x the tokens it may still emit never starts:
+its SSMs' catch-up would cost more than drafting can save it (``joins``).
+
+It changes who drafts, never what a draft or a verdict is: greedy output stays the target's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .shape import TreeCost
+
+# Before the gate has measured a catch-up and a saving: committed tokens an SSM may lack per token
+# the request may still emit, for it to start drafting. Measured on the default pair (2-core
+# AVX512-BF16 EPYC): the int8 SSM ingests 256 tokens in 224 ms (0.9 ms a token); the tree saved 26
+# ms per emitted token at 1 stream (84 -> 58 ms) and 5.6 ms at 2 (39.4 -> 33.8 ms a token of the
+# batch), so catch-up breaks even at 29 and 6 tokens per token left.
+JOIN_RATIO = 8
+FADE = 0.5  # weight of the history in the gate's moving averages (catch-up and saving ms, plain scale)
+# A load's plain pass is measured, not guessed: its first iteration that could draft, and one in
+# every CONTROL_EVERY + 1 after (4x as many while its verdict is clear), runs without drafting (a
+# *control*), where no prompt chunk is in the pass. The verify-cost curve (one request, a 256-token prefix) prices tree tokens too low against a
+# batch on long contexts: on 8 ShareGPT requests it put the plain pass at 120 ms where it took 94.
+CONTROL_EVERY = 16
+PREDICTION_MARGIN = 1.25  # a ratio this far from 1 (either way) is clear: acted on without a probe, fewer controls
+STEADY_LAG = 4  # a drafter new this iteration that lacks at most this many tokens keeps it steady
+START_LIMIT = 4  # requests drafting before anything was measured
+SAMPLES = 2  # steady iterations averaged per decision
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A decoding request whose plan this iteration has cost-aware proposers."""
+
+    request_id: int
+    lag: int  # committed tokens its SSMs lack (its whole context before its first draft)
+    remaining: int  # tokens it may still emit (max_new_tokens less those emitted)
+    drafted_last: bool  # it drafted in the iteration before
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One iteration, as the gate reads it: ``decoding`` requests stepped, ``drafted`` tree tokens
+    beyond the roots and ``accepted`` of them, ``pass_tokens`` in the target pass (prompt chunks
+    included), the draft and verify phases' ms."""
+
+    decoding: int
+    drafted: int
+    accepted: int
+    pass_tokens: int
+    draft_ms: float
+    verify_ms: float
+    catch_up: int = 0  # committed tokens the SSMs of drafters new this iteration fed first (their lag)
+
+
+def joins(candidate: Candidate, catch_up_ms: float | None = None, saving_ms: float | None = None) -> bool:
+    """Whether ``candidate`` may draft: it drafted last iteration, or its catch-up (``catch_up_ms``
+    a token) costs no more than drafting saves over the tokens it may still emit (``saving_ms``
+    each); before both are measured, its lag is at most ``JOIN_RATIO`` x those tokens.
+
+    Example: lag 300, 64 tokens left -> True (300 <= 512); lag 330, 30 left -> False; lag 300, 64
+    left, 0.9 ms a token of catch-up, 0.65 ms saved a token -> False (270 > 41.6); with 20 ms saved
+    -> True; any lag having drafted last iteration -> True.
+    """
+    if candidate.drafted_last:
+        return True
+    if catch_up_ms is None or saving_ms is None:
+        return candidate.lag <= JOIN_RATIO * candidate.remaining
+    return candidate.lag * catch_up_ms <= candidate.remaining * saving_ms
+
+
+def plain_ms(sample: Sample, cost: TreeCost, plain_scale: float | None = None) -> float:
+    """ms the iteration's pass would have taken without its drafted tokens: with ``plain_scale``
+    (measured plain passes at this load against the curve) and no prompt chunk in the pass, the
+    curve's cost of the decoding requests' tokens times it; else the curve's cost of the rest,
+    scaled to this pass (``verify_ms`` against the curve's cost of ``pass_tokens``)."""
+    if plain_scale is not None and sample.pass_tokens == sample.decoding + sample.drafted:
+        return plain_scale * cost.verify(sample.decoding)
+    scale = sample.verify_ms / cost.verify(sample.pass_tokens)
+    return scale * cost.verify(max(1, sample.pass_tokens - sample.drafted))
+
+
+def saving_per_token(sample: Sample, cost: TreeCost, drafters: int, plain_scale: float | None = None) -> float:
+    """ms that drafting saved per token a drafting request emitted: each accepted token came at
+    the drafting's ms per token instead of the plain pass's, and a drafter emitted 1 + its accepted
+    tokens a step; 0 where drafting did not pay. Example: the curve of ``drafting_pays``' example, 8
+    decoding and drafting, 8 drafted, 7 accepted, 16 tokens in the pass, draft 43 ms, verify 137 ms:
+    plain pass 98.8 ms (12.35 ms a token), drafting_pays 1.065 -> 12.35 x (1 - 1 / 1.065) x 7 / 15
+    = 0.35 ms."""
+    ratio, accepted = drafting_pays(sample, cost, plain_scale), sample.accepted / max(1, drafters)
+    if ratio <= 1.0:
+        return 0.0
+    return plain_ms(sample, cost, plain_scale) / sample.decoding * (1.0 - 1.0 / ratio) * accepted / (1.0 + accepted)
+
+
+def faded(average: float | None, value: float) -> float:
+    return value if average is None else FADE * average + (1.0 - FADE) * value
+
+
+def drafting_pays(sample: Sample, cost: TreeCost, plain_scale: float | None = None) -> float:
+    """The tokens the iteration's drafting bought per ms it cost, as a multiple of the batch's rate
+    without it (>= 1: drafting paid). Its cost is the draft phase and the verify time of the drafted
+    tokens: the pass less what it would have taken without them (``plain_ms``).
+
+    Example: curve ((1, 70), (8, 88), (32, 190)), 8 decoding, 16 drafted, 8 accepted, 24 tokens in
+    the pass, draft 60 ms, verify 170 ms: V(24) = 156, scale 1.09, plain pass V(8) = 88 -> 95.9 ms;
+    drafting cost 60 + 1.09 x 68 = 134.1 ms for 8 tokens, plain rate 8 / 95.9: 0.72 (it lost).
+    """
+    plain = plain_ms(sample, cost, plain_scale)
+    drafting_ms = sample.draft_ms + sample.verify_ms - plain
+    if drafting_ms <= 0:
+        return float("inf") if sample.accepted else 0.0
+    return (sample.accepted / drafting_ms) / (sample.decoding / plain)
+
+
+def bucket(running: int) -> int:
+    """The power-of-two bucket of a running count: 1 -> 0, 2-3 -> 1, 4-7 -> 2, 32 -> 5."""
+    return max(running, 1).bit_length() - 1
+
+
+def plain_rate(running: int, cost: TreeCost) -> float:
+    """Tokens per ms of a plain decode pass over ``running`` requests (one token each), by the curve."""
+    return running / cost.verify(running)
+
+
+def predicted_ratio(ratio: float, measured_at: int, level: int, cost: TreeCost) -> float:
+    """``drafting_pays`` at bucket ``level`` predicted from its value ``ratio`` at bucket
+    ``measured_at``: what drafting buys per ms stays, the plain rate it is weighed against moves
+    with the load (each bucket read at its smallest running count, 2 ** bucket).
+
+    Example: curve ((1, 70), (8, 88), (32, 190)), 0.9 measured at 8 running (plain 8 / 88 per ms)
+    -> at 16 (plain 16 / 122) 0.62; at 4 (plain 4 / 77.7) 1.59.
+    """
+    return ratio * plain_rate(2 ** measured_at, cost) / plain_rate(2 ** level, cost)
+
+
+@dataclass
+class Load:
+    """The gate at one load (a power-of-two bucket of the running count): its limit, its sit-out,
+    its samples so far and its last verdict (``ratio``: its samples' mean; None before any)."""
+
+    limit: int = START_LIMIT
+    wait: int = 0  # iterations the next sit-out lasts
+    left: int = 0  # iterations of the current sit-out still to go
+    samples: list[float] = field(default_factory=list)
+    ratio: float | None = None
+    draft_ms: float | None = None  # faded draft ms per drafter in steady iterations
+    saving_ms: float | None = None  # faded ``saving_per_token``
+    plain_scale: float | None = None  # faded plain pass ms against the curve's (no drafts, no prompt chunks)
+    since_control: int = 0  # iterations that could draft since the last control
+
+    @property
+    def pays(self) -> bool | None:
+        return None if self.ratio is None else self.ratio >= 1.0
+
+    @property
+    def control_every(self) -> int:
+        """Drafting iterations between controls: ``CONTROL_EVERY``, 4x that while the last verdict
+        was clear (its ratio beyond ``PREDICTION_MARGIN`` either way)."""
+        clear = self.ratio is not None and not 1 / PREDICTION_MARGIN <= self.ratio <= PREDICTION_MARGIN
+        return 4 * CONTROL_EVERY if clear else CONTROL_EVERY
+
+    def decide(self, ratio: float, bound: bool, most: int, max_wait: int) -> None:
+        """One steady iteration's ``drafting_pays``; every ``SAMPLES`` of them, a verdict."""
+        self.samples.append(ratio)
+        if len(self.samples) < SAMPLES:
+            return
+        self.ratio, self.samples = sum(self.samples) / len(self.samples), []
+        if self.pays:
+            self.wait = 0
+            self.limit = min(most, 2 * self.limit) if bound else self.limit
+            return
+        self.limit //= 2
+        if not self.limit:
+            self.sit_out(min(max_wait, max(1, 2 * self.wait)))
+
+    def sit_out(self, wait: int) -> None:
+        """Nobody drafts for ``wait`` iterations, then one request tries again."""
+        self.wait, self.left, self.limit = wait, wait, 1
+
+
+@dataclass
+class DraftGate:
+    """The gate's state (see the module's docstring): one ``Load`` per bucket of the running count;
+    ``most``: the largest limit (the batch limit).
+
+    A load without a verdict of its own starts from the nearest load that has one
+    (``predicted_ratio``): closed (sitting out ``max_wait`` / 4 iterations) where drafting is
+    predicted to buy less than 1 / ``PREDICTION_MARGIN`` of the plain rate, fully open where more
+    than ``PREDICTION_MARGIN`` times it, else (or with nothing measured) with ``START_LIMIT``.
+    """
+
+    cost: TreeCost
+    most: int = 8
+    max_wait: int = 32
+    loads: dict[int, Load] = field(default_factory=dict)
+    drafters: frozenset[int] = frozenset()  # who drafted in the last iteration
+    catch_up_ms: float | None = None  # faded ms an SSM's catch-up costs per token fed
+    _load: Load | None = None
+
+    @property
+    def limit(self) -> int:
+        """The limit at the load of the last iteration: 0 while it sits out (``START_LIMIT`` before any)."""
+        if self._load is None:
+            return START_LIMIT
+        return 0 if self._load.left else self._load.limit
+
+    def choose(self, candidates: Sequence[Candidate], running: int, clean: bool = True) -> frozenset[int]:
+        """The requests that draft this iteration with their cost-aware proposers; none in a control
+        iteration (``CONTROL_EVERY``), which only a ``clean`` pass (no prompt chunk in it) can be."""
+        level = bucket(running)
+        load = self.loads.setdefault(level, Load())
+        if load is not self._load and load.pays is None and not load.samples:
+            self._start_from_neighbours(level, load)
+        self._load = load
+        if load.left:
+            load.left -= 1
+            return frozenset()
+        if candidates and clean and (load.plain_scale is None or load.since_control >= load.control_every):
+            load.since_control = 0
+            return frozenset()
+        load.since_control += bool(candidates)
+        saving = load.saving_ms if load.pays else None  # a probe of a load that did not pay: JOIN_RATIO
+        ready = sorted((c for c in candidates if joins(c, self.catch_up_ms, saving)),
+                       key=lambda c: (not c.drafted_last, c.lag, c.request_id))
+        return frozenset(c.request_id for c in ready[:load.limit])
+
+    def observe(self, drafters: frozenset[int], sample: Sample) -> None:
+        """After the iteration: ``drafters`` drafted; a steady iteration's ``sample`` is measured, and
+        one whose new drafters caught up gives the catch-up's ms per token (its draft ms beyond a
+        steady iteration's per drafter)."""
+        steady = bool(drafters) and sample.catch_up <= STEADY_LAG * len(drafters - self.drafters)
+        self.drafters, load = drafters, self._load
+        if load is None:
+            return
+        if not drafters:
+            if sample.decoding and sample.drafted == 0 and sample.pass_tokens == sample.decoding:
+                load.plain_scale = faded(load.plain_scale, sample.verify_ms / self.cost.verify(sample.decoding))
+            return
+        if steady:
+            scale = load.plain_scale
+            load.draft_ms = faded(load.draft_ms, sample.draft_ms / len(drafters))
+            load.saving_ms = faded(load.saving_ms, saving_per_token(sample, self.cost, len(drafters), scale))
+            load.decide(drafting_pays(sample, self.cost, scale), len(drafters) >= load.limit, self.most,
+                        self.max_wait)
+        elif sample.catch_up and load.draft_ms is not None:
+            extra = max(0.0, sample.draft_ms - load.draft_ms * len(drafters))
+            self.catch_up_ms = faded(self.catch_up_ms, extra / sample.catch_up)
+
+    def _start_from_neighbours(self, level: int, load: Load) -> None:
+        """A load without a verdict, entered: closed, open or probing, by the nearest verdict's prediction."""
+        measured = [(abs(b - level), b, other.ratio) for b, other in self.loads.items() if other.ratio is not None]
+        if not measured:
+            return
+        _, at, ratio = min(measured)
+        predicted = predicted_ratio(ratio, at, level, self.cost)
+        if predicted * PREDICTION_MARGIN < 1.0:
+            load.sit_out(max(1, self.max_wait // 4))
+        elif predicted > PREDICTION_MARGIN:
+            load.limit, load.left = self.most, 0
+        else:
+            load.limit, load.left = START_LIMIT, 0

@@ -1,0 +1,209 @@
+"""The draft gate (engine.draft_gate): its pure functions, its limit stepped by hand with given
+samples, and the engine loop under it (fp32 tiny models, the gate's verdicts fixed by the test, so
+no clock decides anything): held-back requests decode plainly and every output stays the target's
+own greedy decoding."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import engine.draft_gate as draft_gate
+from engine.draft_gate import (CONTROL_EVERY, Candidate, DraftGate, Load, Sample, bucket, drafting_pays, joins,
+                               plain_ms, predicted_ratio, saving_per_token)
+from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
+from engine.phases import local_loop
+from engine.requests import GenerationRequest, SpeculationOptions
+from engine.shape import TreeCost
+from tests.test_loop import drain
+from tests.tiny_models import IdTokenizer, reference_greedy, tiny_model
+
+CURVE = TreeCost(((1, 70.0), (8, 88.0), (32, 190.0)))
+PAYS, LOSES = Sample(8, 16, 16, 24, 20.0, 160.0), Sample(8, 16, 8, 24, 60.0, 170.0)
+
+
+@pytest.mark.parametrize("candidate, expected", [
+    (Candidate(0, 300, 64, False), True),  # 300 <= 8 x 64
+    (Candidate(0, 330, 30, False), False),  # its catch-up outweighs what 30 tokens can gain
+    (Candidate(0, 330, 30, True), True),  # drafted last iteration: nothing to catch up
+    (Candidate(0, 0, 0, False), True),
+])
+def test_joins(candidate, expected):
+    assert joins(candidate) is expected
+
+
+@pytest.mark.parametrize("candidate, catch_up_ms, saving_ms, expected", [
+    (Candidate(0, 300, 64, False), 0.9, 0.65, False),  # 270 ms of catch-up for 41.6 saved
+    (Candidate(0, 300, 64, False), 0.9, 20.0, True),
+    (Candidate(0, 300, 64, True), 0.9, 0.0, True),
+    (Candidate(0, 300, 64, False), None, 0.65, True),  # nothing measured yet: JOIN_RATIO
+])
+def test_joins_once_catch_up_and_saving_are_measured(candidate, catch_up_ms, saving_ms, expected):
+    assert joins(candidate, catch_up_ms, saving_ms) is expected
+
+
+def test_saving_per_token_worked_example():
+    sample = Sample(8, 8, 7, 16, 43.0, 137.0)
+    assert plain_ms(sample, CURVE) == pytest.approx(98.82, abs=0.01)
+    assert drafting_pays(sample, CURVE) == pytest.approx(1.065, abs=1e-3)
+    assert saving_per_token(sample, CURVE, 8) == pytest.approx(0.352, abs=1e-3)
+    assert saving_per_token(LOSES, CURVE, 8) == 0.0
+
+
+def test_a_catch_up_is_priced_against_the_steady_draft_cost():
+    gate = measured_gate()
+    step(gate, 8, PAYS)  # 4 new drafters: not steady, and no steady draft cost to compare with yet
+    assert gate.catch_up_ms is None
+    step(gate, 8, PAYS)  # steady: 20 ms over 4 drafters -> 5 ms each
+    assert gate.loads[bucket(8)].draft_ms == 5.0
+    gate.observe(frozenset(range(6)), Sample(8, 16, 16, 24, 130.0, 160.0, catch_up=200))  # 2 new: 100 each
+    assert gate.catch_up_ms == pytest.approx((130.0 - 6 * 5.0) / 200)  # 0.5 ms a token
+
+
+def test_a_load_measures_its_plain_pass_first_and_then_every_so_often():
+    gate, pool = DraftGate(CURVE, most=8), [Candidate(i, 2, 64, False) for i in range(8)]
+    assert gate.choose(pool, 8, clean=False) == frozenset(range(4))  # prompt chunks in the pass: no control
+    gate.observe(frozenset(range(4)), Sample(8, 8, 4, 300, 40.0, 900.0, catch_up=8))
+    assert gate.choose(pool, 8) == frozenset()  # the first clean pass at this load is a control
+    gate.observe(frozenset(), Sample(8, 0, 0, 8, 0.0, 176.0))
+    assert gate.loads[bucket(8)].plain_scale == 2.0  # the pass took 2x the curve's 88 ms
+    chosen = [gate.choose(pool, 8) for _ in range(CONTROL_EVERY + 2)]
+    assert [len(c) for c in chosen] == [4] * CONTROL_EVERY + [0, 4]
+    gate.loads[bucket(8)].ratio = 2.0  # a clear verdict: controls 4x rarer
+    assert gate.loads[bucket(8)].control_every == 4 * CONTROL_EVERY
+    sample = Sample(8, 8, 4, 16, 40.0, 300.0)  # measured plain 176 ms, not the curve-scaled 216
+    assert plain_ms(sample, CURVE, 2.0) == 176.0 and plain_ms(sample, CURVE) == pytest.approx(216.4, abs=0.1)
+
+
+def test_drafting_pays_worked_example():
+    assert drafting_pays(LOSES, CURVE) == pytest.approx(0.715, abs=1e-3)
+    assert drafting_pays(PAYS, CURVE) > 1.0
+
+
+@given(st.integers(1, 32), st.integers(0, 64), st.floats(1.0, 500.0), st.floats(1.0, 500.0))
+def test_a_draft_that_accepted_nothing_never_pays(decoding, drafted, draft_ms, verify_ms):
+    sample = Sample(decoding, drafted, 0, decoding + drafted, draft_ms, verify_ms)
+    assert drafting_pays(sample, CURVE) == 0.0
+
+
+@given(st.integers(1, 32), st.integers(1, 32), st.integers(1, 32))
+def test_more_accepted_tokens_pay_more(decoding, drafted, accepted):
+    def pays(a):
+        return drafting_pays(Sample(decoding, drafted, a, decoding + drafted, 50.0, 150.0), CURVE)
+    assert pays(accepted + 1) > pays(accepted)
+
+
+@pytest.mark.parametrize("running, expected", [(0, 0), (1, 0), (2, 1), (3, 1), (4, 2), (7, 2), (32, 5)])
+def test_bucket(running, expected):
+    assert bucket(running) == expected
+
+
+def candidates(count: int, drafted: frozenset = frozenset()) -> list[Candidate]:
+    return [Candidate(i, 10 * (count - i), 64, i in drafted) for i in range(count)]
+
+
+def step(gate: DraftGate, running: int, sample: Sample) -> frozenset:
+    """One iteration: the gate chooses among ``running`` candidates, then sees ``sample`` (with the
+    catch-up of the drafters new this iteration: 10 tokens or more each, so not steady)."""
+    pool = candidates(running, gate.drafters)
+    chosen = gate.choose(pool, running)
+    catch_up = sum(c.lag for c in pool if c.request_id in chosen and not c.drafted_last)
+    gate.observe(chosen, replace(sample, catch_up=catch_up))
+    return chosen
+
+
+def measured_gate(most: int = 8, max_wait: int = 32) -> DraftGate:
+    """A gate whose every load has measured its plain pass (at the curve's cost): no controls due."""
+    return DraftGate(CURVE, most=most, max_wait=max_wait, loads={b: Load(plain_scale=1.0) for b in range(6)})
+
+
+def test_who_drafts_first_those_that_drafted_last_then_the_least_lag():
+    gate = measured_gate()
+    gate.loads[bucket(5)] = Load(limit=2, plain_scale=1.0)
+    pool = [Candidate(0, 50, 64, False), Candidate(1, 5, 64, True), Candidate(2, 9, 64, False),
+            Candidate(3, 1, 64, False), Candidate(4, 900, 10, False)]
+    assert gate.choose(pool, 5) == {1, 3}
+    gate.loads[bucket(5)].limit = 8
+    assert gate.choose(pool, 5) == {0, 1, 2, 3}  # 4 would catch up 900 tokens for 10 at most
+
+
+def test_paying_doubles_the_limit_up_to_the_batch_limit():
+    gate = measured_gate()
+    limits = []
+    for _ in range(12):
+        step(gate, 8, PAYS)
+        limits.append(gate.limit)
+    # the first iteration and each one after a growth feed the newcomers' context: not measured
+    assert limits == [4, 4, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8]
+
+
+def test_losing_halves_the_limit_then_sits_out_ever_longer():
+    gate = measured_gate()
+    chosen = [len(step(gate, 8, LOSES)) for _ in range(22)]
+    # 4 draft (1 unmeasured + 2 measured), then 2 (2 measured), 1 (2 measured); then sit out 1,
+    # probe with 1 (1 unmeasured + 2 measured), sit out 2, probe, ...
+    assert chosen == [4, 4, 4, 2, 2, 1, 1, 0, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1]
+    assert gate.loads[bucket(8)].wait == 4
+
+
+def test_predicted_ratio_worked_example():
+    assert predicted_ratio(0.9, bucket(8), bucket(16), CURVE) == pytest.approx(0.62, abs=5e-3)
+    assert predicted_ratio(0.9, bucket(8), bucket(4), CURVE) == pytest.approx(1.59, abs=5e-3)
+
+
+def test_each_load_keeps_its_own_state_and_a_new_one_starts_from_the_nearest_verdict():
+    gate = measured_gate()
+    for _ in range(3):
+        step(gate, 8, LOSES)  # 4 draft; two steady samples of 0.72: halve to 2
+    assert gate.loads[bucket(8)].ratio == pytest.approx(0.62, abs=1e-3) and gate.limit == 2  # plain 88 ms
+    assert step(gate, 16, LOSES) == frozenset()  # first met: predicted 0.43, closed without a probe
+    assert gate.loads[bucket(16)].wait == 8  # max_wait / 4
+    assert len(step(gate, 2, PAYS)) == 2  # predicted 2.05 at 2-3 running: fully open at once
+    assert gate.loads[bucket(2)].limit == 8
+    assert len(step(gate, 8, PAYS)) == 2  # back at 8 running: its own state (limit 2), not a prediction
+    fresh = measured_gate()
+    assert len(step(fresh, 16, LOSES)) == 4  # no verdict anywhere: a probe of START_LIMIT
+
+
+# -- The loop under the gate. -------------------------------------------------------------------
+
+VOCAB = 97
+SLOW_FLAT = TreeCost(((1, 1e6), (64, 1e6)))  # big trees pay in every shape decision
+PROMPTS = [tuple(range(3, 9)), tuple(range(30, 50)), tuple(range(60, 64)), (7, 3, 9, 1, 40)]
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(2)
+    return tiny_model("llama", VOCAB, layers=2, seed=0), tiny_model("llama", VOCAB, layers=1, seed=1)
+
+
+def gated_loop(models):
+    target, ssm = models
+    target_pool, target_batcher = paged_parts(target, 4096, 16)
+    ssm_pool, ssm_batcher = paged_parts(ssm, 4096, 16)
+    return local_loop(PagedTarget(target, target_pool, target_batcher),
+                      [PagedDrafter(ssm, 0, "ssm", ssm_pool, ssm_batcher)], IdTokenizer(), (), cost=SLOW_FLAT)
+
+
+@pytest.mark.parametrize("verdict, most_drafting_at_end", [(0.0, 1), (float("inf"), 4)])
+def test_the_loop_drafts_as_many_as_the_gate_allows_and_stays_exact(models, monkeypatch, verdict,
+                                                                  most_drafting_at_end):
+    monkeypatch.setattr(draft_gate, "drafting_pays", lambda sample, cost, plain_scale=None: verdict)
+    loop, seen = gated_loop(models), []
+    loop.gate.loads = {bucket(4): Load(limit=2, plain_scale=1.0)}
+    loop.observers.append(seen.append)
+    options = SpeculationOptions(policy="cost")
+    ids = [loop.submit(GenerationRequest(p, 24, speculation=options)) for p in PROMPTS]
+    outputs = drain(loop, ids)
+    assert [outputs[i] for i in ids] == [reference_greedy(models[0], list(p), 24) for p in PROMPTS]
+    decoding = [s for s in seen if s.running == 4 and not s.prefilling]
+    assert max(s.drafts for s in seen) <= max(2, most_drafting_at_end)
+    if verdict:
+        assert max(s.drafts for s in decoding) == 4 and seen[-1].draft_limit == 8
+    else:  # the gate sat out: iterations of plain decoding while all four ran
+        assert min(s.drafts for s in decoding) == 0 and max(s.drafts for s in decoding[-6:]) <= 1
