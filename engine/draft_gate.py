@@ -247,10 +247,12 @@ class DraftGate:
         return frozenset(c.request_id for c in ready[:load.limit])
 
     def observe(self, drafters: frozenset[int], sample: Sample) -> None:
-        """After the iteration: ``drafters`` drafted; a steady iteration's ``sample`` is measured, and
-        one whose new drafters caught up gives the catch-up's ms per token (its draft ms beyond a
+        """After the iteration: ``drafters`` drafted; a steady iteration's ``sample`` is measured where
+        no prompt chunk was in the pass (a pass busy with prompts makes any extra token look cheap),
+        and one whose new drafters caught up gives the catch-up's ms per token (its draft ms beyond a
         steady iteration's per drafter)."""
         steady = bool(drafters) and sample.catch_up <= STEADY_LAG * len(drafters - self.drafters)
+        clean = sample.pass_tokens == sample.decoding + sample.drafted  # no prompt chunk in the pass
         self.drafters, load = drafters, self._load
         if load is None:
             return
@@ -258,7 +260,7 @@ class DraftGate:
             if sample.decoding and sample.drafted == 0 and sample.pass_tokens == sample.decoding:
                 load.plain_scale = faded(load.plain_scale, sample.verify_ms / self.cost.verify(sample.decoding))
             return
-        if steady:
+        if steady and clean:
             scale = load.plain_scale
             load.draft_ms = faded(load.draft_ms, sample.draft_ms / len(drafters))
             load.saving_ms = faded(load.saving_ms, saving_per_token(sample, self.cost, len(drafters), scale))

@@ -207,3 +207,14 @@ def test_the_loop_drafts_as_many_as_the_gate_allows_and_stays_exact(models, monk
         assert max(s.drafts for s in decoding) == 4 and seen[-1].draft_limit == 8
     else:  # the gate sat out: iterations of plain decoding while all four ran
         assert min(s.drafts for s in decoding) == 0 and max(s.drafts for s in decoding[-6:]) <= 1
+
+
+def test_a_pass_with_prompt_chunks_gives_no_verdict():
+    """A pass busy with prompts makes a few drafted tokens look cheap: only clean passes count."""
+    gate, busy = measured_gate(), replace(PAYS, pass_tokens=PAYS.pass_tokens + 256)
+    for sample in (busy, busy, busy):
+        step(gate, 8, sample)
+    assert gate.loads[bucket(8)].ratio is None and gate.limit == 4
+    for sample in (PAYS, PAYS):
+        step(gate, 8, sample)
+    assert gate.loads[bucket(8)].ratio is not None and gate.limit == 8
