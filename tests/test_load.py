@@ -35,8 +35,10 @@ def load_app(serving, tiny_args):  # noqa: F811
     """The load application; yields (gRPC address, Serve handle). Deleted at the end of the module."""
     args = load_args(tiny_args, STREAMS)
     # The tree budget on: cost-aware trees choose their sizes for the batch's goodput against the
-    # running requests' load (engine.budget.RunningLoad), chunked prefill of 16 tokens.
-    args["server"] = {**args["server"], "tree_budget": {"enabled": True},
+    # running requests' load (engine.budget.RunningLoad), chunked prefill of 16 tokens. The draft
+    # gate off: every request drafts, so the cancels below meet drafting (the gate's choices are
+    # tested on the loop in-process, tests/test_draft_gate.py).
+    args["server"] = {**args["server"], "tree_budget": {"enabled": True, "draft_gate": False},
                       "batching": {**args["server"]["batching"], "kv_cache_tokens": 12288, "prefill_chunk_tokens": 16}}
     # Cost-aware shapes served (the verifier measures the verify-cost curve at start): the trees follow
     # timings and load, the tokens must not (each stream equals the in-process engine's fixed-shape output).
