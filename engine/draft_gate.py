@@ -256,9 +256,9 @@ class DraftGate:
         self.drafters, load = drafters, self._load
         if load is None:
             return
-        if not drafters:
-            if sample.decoding and sample.drafted == 0 and sample.pass_tokens == sample.decoding:
-                load.plain_scale = faded(load.plain_scale, sample.verify_ms / self.cost.verify(sample.decoding))
+        if not drafters:  # a plain pass (model-free proposers' tokens aside): its cost against the curve's
+            if sample.decoding and clean:
+                load.plain_scale = faded(load.plain_scale, sample.verify_ms / self.cost.verify(sample.pass_tokens))
             return
         if steady and clean:
             scale = load.plain_scale

@@ -71,6 +71,8 @@ def test_a_load_measures_its_plain_pass_first_and_then_every_so_often():
     assert gate.choose(pool, 8) == frozenset()  # the first clean pass at this load is a control
     gate.observe(frozenset(), Sample(8, 0, 0, 8, 0.0, 176.0))
     assert gate.loads[bucket(8)].plain_scale == 2.0  # the pass took 2x the curve's 88 ms
+    gate.observe(frozenset(), Sample(8, 24, 3, 32, 0.0, 380.0))  # the suffix proposer's 24 tokens in it
+    assert gate.loads[bucket(8)].plain_scale == 2.0  # 380 ms is 2x the curve's 190 for 32 tokens
     chosen = [gate.choose(pool, 8) for _ in range(CONTROL_EVERY + 2)]
     assert [len(c) for c in chosen] == [4] * CONTROL_EVERY + [0, 4]
     gate.loads[bucket(8)].ratio = 2.0  # a clear verdict: controls 4x rarer
