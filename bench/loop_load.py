@@ -14,6 +14,8 @@ Figures per (method, level), written to ``OUT/loop_load.json`` and ``OUT/loop_lo
 * ``aggregate_tokens_per_s``: every request's new tokens / the level's wall time;
 * ``ttft_ms_p50``: from submission to the request's first token;
 * ``tokens_per_pass``: new tokens per target pass (one per iteration);
+* ``drafted_per_iteration``, ``drafts_per_iteration``: drafted tokens, and requests whose tree had
+  any, per iteration (how much the draft gate let draft);
 * ``forward_limit_tokens_per_s`` (incremental): S tokens per pass at the measured verify-cost of an
   S-token pass, the most plain decoding could reach; ``of_limit``: incremental's share of it;
   ``decode_of_limit``: the same share for the decode iterations alone (their tokens per second

@@ -7,19 +7,22 @@ this gate counts the draft as a cost the batch may avoid: speculation where it p
 where it does not (the issue's "goodput chooses no speculation where it does not pay").
 
 Each iteration at most ``limit`` requests draft with their cost-aware proposers; the others decode
-plainly that iteration (model-free proposers still draft). After each *steady* iteration (every
-drafting request also drafted in the one before, so no SSM fed a stretch of context it lacked) the
-gate measures what the drafting bought against plain decoding (``drafting_pays``). The mean of two
-such samples decides: paying doubles the limit (where it bound), not paying halves it; at 0 the
-gate sits out 1, 2, 4, ... iterations (at most ``max_wait``), then one request drafts again. The
-gate keeps this state per load (a power-of-two bucket of the running count, ``Load``), so a
-server that returns to a load it knows resumes what it found there, and a load it has not measured
-starts from a prediction out of the nearest one it has (``predicted_ratio``).
+plainly that iteration (model-free proposers still draft). After each *steady* and *clean*
+iteration (the requests that began drafting lacked at most ``STEADY_LAG`` tokens of context each;
+no prompt chunk in the pass, which would make a few drafted tokens look free) the gate measures what the drafting
+bought against plain decoding (``drafting_pays``), the plain pass measured in *control* iterations
+that do not draft (``CONTROL_EVERY``). The mean of two such samples decides: paying doubles the
+limit (where it bound), not paying halves it; at 0 the gate sits out 1, 2, 4, ... iterations (at
+most ``max_wait``), then one request drafts again. The gate keeps this state per load (a
+power-of-two bucket of the running count, ``Load``), so a server that returns to a load it knows
+resumes what it found there, and a load it has not measured starts from a prediction out of the
+nearest one it has (``predicted_ratio``).
 
 Who drafts when not all may: those that drafted in the iteration before (nothing to catch up),
 then the least *lag* (committed tokens the SSMs lack: a request's whole context before its first
-draft). A request whose lag exceeds ``JOIN_RATIO`` x the tokens it may still emit never starts:
-its SSMs' catch-up would cost more than drafting can save it (``joins``).
+draft). A request starts only if its SSMs' catch-up costs no more than drafting saves it over the
+tokens it may still emit, both measured; before they are, if its lag is at most ``JOIN_RATIO`` x
+those tokens (``joins``).
 
 It changes who drafts, never what a draft or a verdict is: greedy output stays the target's own.
 """
@@ -38,10 +41,11 @@ from .shape import TreeCost
 # batch), so catch-up breaks even at 29 and 6 tokens per token left.
 JOIN_RATIO = 8
 FADE = 0.5  # weight of the history in the gate's moving averages (catch-up and saving ms, plain scale)
-# A load's plain pass is measured, not guessed: its first iteration that could draft, and one in
-# every CONTROL_EVERY + 1 after (4x as many while its verdict is clear), runs without drafting (a
-# *control*), where no prompt chunk is in the pass. The verify-cost curve (one request, a 256-token prefix) prices tree tokens too low against a
-# batch on long contexts: on 8 ShareGPT requests it put the plain pass at 120 ms where it took 94.
+# A load's plain pass is measured, not guessed: its first clean iteration that could draft, and one
+# in every CONTROL_EVERY + 1 after (4x as many while its verdict is clear), runs without drafting (a
+# *control*). The verify-cost curve (one request, a 256-token prefix) prices tree tokens too low
+# against a batch on long contexts: on 8 ShareGPT requests it put the plain pass at 120 ms where it
+# took 94.
 CONTROL_EVERY = 16
 PREDICTION_MARGIN = 1.25  # a ratio this far from 1 (either way) is clear: acted on without a probe, fewer controls
 STEADY_LAG = 4  # a drafter new this iteration that lacks at most this many tokens keeps it steady
@@ -62,16 +66,26 @@ class Candidate:
 @dataclass(frozen=True)
 class Sample:
     """One iteration, as the gate reads it: ``decoding`` requests stepped, ``drafted`` tree tokens
-    beyond the roots and ``accepted`` of them, ``pass_tokens`` in the target pass (prompt chunks
-    included), the draft and verify phases' ms."""
+    beyond the roots and ``accepted`` of them, ``prompt`` tokens of prompt chunks in the target pass,
+    the draft and verify phases' ms."""
 
     decoding: int
     drafted: int
     accepted: int
-    pass_tokens: int
+    prompt: int
     draft_ms: float
     verify_ms: float
     catch_up: int = 0  # committed tokens the SSMs of drafters new this iteration fed first (their lag)
+
+    @property
+    def pass_tokens(self) -> int:
+        """Tokens in the target pass: a root per decoding request, the drafted ones, the prompt chunks."""
+        return self.decoding + self.drafted + self.prompt
+
+    @property
+    def clean(self) -> bool:
+        """No prompt chunk in the pass."""
+        return not self.prompt
 
 
 def joins(candidate: Candidate, catch_up_ms: float | None = None, saving_ms: float | None = None) -> bool:
@@ -95,7 +109,7 @@ def plain_ms(sample: Sample, cost: TreeCost, plain_scale: float | None = None) -
     (measured plain passes at this load against the curve) and no prompt chunk in the pass, the
     curve's cost of the decoding requests' tokens times it; else the curve's cost of the rest,
     scaled to this pass (``verify_ms`` against the curve's cost of ``pass_tokens``)."""
-    if plain_scale is not None and sample.pass_tokens == sample.decoding + sample.drafted:
+    if plain_scale is not None and sample.clean:
         return plain_scale * cost.verify(sample.decoding)
     scale = sample.verify_ms / cost.verify(sample.pass_tokens)
     return scale * cost.verify(max(1, sample.pass_tokens - sample.drafted))
@@ -115,6 +129,7 @@ def saving_per_token(sample: Sample, cost: TreeCost, drafters: int, plain_scale:
 
 
 def faded(average: float | None, value: float) -> float:
+    """``value`` folded into a moving ``average`` (None: none yet) with weight 1 - ``FADE``."""
     return value if average is None else FADE * average + (1.0 - FADE) * value
 
 
@@ -252,15 +267,14 @@ class DraftGate:
         and one whose new drafters caught up gives the catch-up's ms per token (its draft ms beyond a
         steady iteration's per drafter)."""
         steady = bool(drafters) and sample.catch_up <= STEADY_LAG * len(drafters - self.drafters)
-        clean = sample.pass_tokens == sample.decoding + sample.drafted  # no prompt chunk in the pass
         self.drafters, load = drafters, self._load
         if load is None:
             return
         if not drafters:  # a plain pass (model-free proposers' tokens aside): its cost against the curve's
-            if sample.decoding and clean:
+            if sample.decoding and sample.clean:
                 load.plain_scale = faded(load.plain_scale, sample.verify_ms / self.cost.verify(sample.pass_tokens))
             return
-        if steady and clean:
+        if steady and sample.clean:
             scale = load.plain_scale
             load.draft_ms = faded(load.draft_ms, sample.draft_ms / len(drafters))
             load.saving_ms = faded(load.saving_ms, saving_per_token(sample, self.cost, len(drafters), scale))

@@ -168,7 +168,6 @@ class EngineLoop:
         self.names, self.neural = executor.names, executor.neural
         self.load = RunningLoad() if cost is not None else None
         self.gate = DraftGate(cost, most=limits.max_running) if cost is not None and draft_gate else None
-        self._catch_up = 0  # committed tokens the SSMs of this iteration's new drafters lack
         self.waiting: deque[LoopRequest] = deque()
         self.running: list[LoopRequest] = []
         self.requests: dict[int, LoopRequest] = {}
@@ -263,7 +262,7 @@ class EngineLoop:
             self.running = [r for r in self.running if not r.finished]  # cancelled since the last iteration
             self._admit()
             decoding, chunks = [r for r in self.running if not r.prefilling], self._chunks_this_pass()
-            plans = self._gated({r.id: r.session.plan_step() for r in decoding}, decoding, clean=not chunks)
+            plans, catch_up = self._gated({r.id: r.session.plan_step() for r in decoding}, decoding, clean=not chunks)
             clock.lap("schedule")
             self._in_pass = {r.id for r in decoding + chunks}
             try:
@@ -280,35 +279,37 @@ class EngineLoop:
                 self._release_after = []
             counts = self._commit(decoding, plans, chunks, results, clock.ms)
             clock.lap("commit")
-            self._observe(decoding, plans, counts, clock.ms)
+            self._observe(decoding, plans, counts, clock.ms, catch_up)
             return self._record(counts, clock.ms)
 
-    def _gated(self, plans: dict[int, StepPlan], decoding: list[LoopRequest], clean: bool) -> dict[int, StepPlan]:
-        """The plans with the cost-aware proposers left out of the requests the draft gate holds back."""
+    def _gated(self, plans: dict[int, StepPlan], decoding: list[LoopRequest],
+               clean: bool) -> tuple[dict[int, StepPlan], int]:
+        """The plans with the cost-aware proposers left out of the requests the draft gate holds back,
+        and the committed tokens the SSMs of the requests that draft for the first time since the last
+        iteration lack (their catch-up)."""
         if self.gate is None:
-            return plans
+            return plans, 0
         candidates = [Candidate(r.id, len(r.session.committed) - r.drafted_at,
                                 r.request.max_new_tokens - r.session.stats.new_tokens, r.id in self.gate.drafters)
                       for r in decoding if plans[r.id].cost_aware]
         allowed = self.gate.choose(candidates, len(decoding), clean)
-        self._catch_up = sum(c.lag for c in candidates if c.request_id in allowed and not c.drafted_last)
+        catch_up = sum(c.lag for c in candidates if c.request_id in allowed and not c.drafted_last)
         for r in decoding:
             plan = plans[r.id]
             if plan.cost_aware and r.id not in allowed:
                 plans[r.id] = StepPlan(tuple(a for a in plan.assignments if not a.spec.cost_aware))
             elif plan.cost_aware:
                 r.drafted_at = len(r.session.committed)
-        return plans
+        return plans, catch_up
 
     def _observe(self, decoding: list[LoopRequest], plans: dict[int, StepPlan], counts: dict[str, int],
-                 ms: dict[str, float]) -> None:
+                 ms: dict[str, float], catch_up: int) -> None:
         """The iteration, to the draft gate."""
         if self.gate is None:
             return
         drafters = frozenset(r.id for r in decoding if plans[r.id].cost_aware)
-        self.gate.observe(drafters, Sample(len(decoding), counts["drafted"], counts["accepted"],
-                                           len(decoding) + counts["drafted"] + counts["prompt"], ms["draft"],
-                                           ms["verify"], self._catch_up))
+        self.gate.observe(drafters, Sample(len(decoding), counts["drafted"], counts["accepted"], counts["prompt"],
+                                           ms["draft"], ms["verify"], catch_up))
 
     def _admit(self) -> None:
         """Waiting requests join, in order, while the batch limit and the KV memory allow."""

@@ -277,9 +277,10 @@ def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def unpaged_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
                       **kwargs):
-    """A forward without a PagedContext (the DynamicCache path): SDPA, or ``attend`` where the layer
-    has a logit softcap, which SDPA cannot apply. Its mask comes from SDPA's builder (registered
-    with the attention): a bool mask, or None where the forward is plainly causal."""
+    """A forward without a PagedContext (the DynamicCache path): SDPA, or ``matmul_attention`` where
+    the layer has a logit softcap, which SDPA cannot apply, or where it is faster (``matmul_wins``).
+    Its mask comes from SDPA's builder (registered with the attention): a bool mask, or None where
+    the forward is plainly causal."""
     if softcap is None and not matmul_wins(query):
         return _sdpa_attention()(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                  sliding_window=sliding_window, **kwargs)
@@ -289,7 +290,7 @@ def unpaged_attention(module, query, key, value, attention_mask, scaling, dropou
     if attention_mask.dtype == torch.bool:
         attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~attention_mask, torch.finfo(query.dtype).min)
-    return attend(query, key, value, attention_mask, scaling, softcap).transpose(1, 2), None
+    return matmul_attention(query, key, value, attention_mask, scaling, softcap).transpose(1, 2), None
 
 
 @functools.cache
