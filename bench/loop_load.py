@@ -9,6 +9,11 @@ in-process engine (``cluster.build.build_engine(config, batched=True)``: paged p
 target pass per iteration, one SSM forward per tree level for the whole batch) and the loop is
 stepped until all have finished. No Ray, no gRPC: what the loop itself does under load.
 
+With ``--repeats R`` each level runs R rounds, every method once a round, and a method's figures
+pool its rounds (tokens per second: all their tokens over all their wall time; seconds, tokens and
+iterations summed, ``runs_tokens_per_s`` each round's own): on a 2-core box one run of a level
+varies by up to 10%, as much as the differences measured.
+
 Figures per (method, level), written to ``OUT/loop_load.json`` and ``OUT/loop_load.md``:
 
 * ``aggregate_tokens_per_s``: every request's new tokens / the level's wall time;
@@ -38,6 +43,7 @@ import json
 import logging
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -54,8 +60,28 @@ from .workloads import EncodedPrompt, load_workload
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class LevelRun:
+    """One run of a level, as measured: its label, wall time, and per request its new tokens, ms to
+    its first token and its output; the loop's iterations."""
+
+    method: str
+    streams: int
+    wall_s: float
+    tokens: dict
+    first: dict
+    iterations: list
+    outputs: dict
+
+
 def run_level(engine, method: Method, workload: Sequence[EncodedPrompt], streams: int, max_new_tokens: int,
               gated: bool = True) -> dict:
+    """One run of a level, summarised (``level_figures``)."""
+    return level_figures([measure_level(engine, method, workload, streams, max_new_tokens, gated)])
+
+
+def measure_level(engine, method: Method, workload: Sequence[EncodedPrompt], streams: int, max_new_tokens: int,
+                  gated: bool = True) -> LevelRun:
     """S requests submitted at once; the loop stepped until every one has finished. ``gated``: with
     the engine's draft gate (it persists across levels, as in a server), else with none."""
     loop, seen, gate = engine.loop, [], engine.loop.gate
@@ -81,7 +107,22 @@ def run_level(engine, method: Method, workload: Sequence[EncodedPrompt], streams
         loop.observers.remove(seen.append)
         loop.gate = gate
     label = method.spelling if gated or method.spelling == BASELINE else f"{method.spelling} (no gate)"
-    return level_figures(label, streams, wall_s, tokens, first, seen, outputs)
+    return LevelRun(label, streams, wall_s, tokens, first, seen, outputs)
+
+
+def run_levels(engine, methods: Sequence[Method], workload: Sequence[EncodedPrompt], streams: Sequence[int],
+               args: argparse.Namespace) -> list[dict]:
+    """Every level's figures: per level ``args.repeats`` rounds, each running every variant once (so
+    a slow stretch of the machine falls on all of them), the rounds pooled per variant."""
+    figures = []
+    for level in streams:
+        runs = [measure_level(engine, method, workload, level, args.max_new_tokens, gated)
+                for _ in range(args.repeats) for method, gated in variants(methods, args.gate_ab)]
+        these = [level_figures(group) for group in grouped(runs)]
+        logger.info("level %d: %s", level, ", ".join(f"{f['method']} {f['aggregate_tokens_per_s']:.1f} tok/s"
+                                                       for f in these))
+        figures += these
+    return figures
 
 
 def variants(methods: Sequence[Method], gate_ab: bool) -> list[tuple[Method, bool]]:
@@ -90,17 +131,37 @@ def variants(methods: Sequence[Method], gate_ab: bool) -> list[tuple[Method, boo
     return [(m, gated) for m in methods for gated in ((True, False) if gate_ab and m.spelling != BASELINE else (True,))]
 
 
-def level_figures(method: str, streams: int, wall_s: float, tokens: dict, first: dict,
-                  iterations: Sequence[IterationStats], outputs: dict) -> dict:
-    total = sum(tokens.values())
-    return {"method": method, "streams": streams, "wall_s": wall_s, "new_tokens": total,
-            "aggregate_tokens_per_s": total / wall_s, "ttft_ms_p50": statistics.median(first.values()),
+def grouped(runs: Sequence[LevelRun]) -> list[list[LevelRun]]:
+    """The runs of each (method, level), in the order first met."""
+    groups: dict[tuple[str, int], list[LevelRun]] = {}
+    for run in runs:
+        groups.setdefault((run.method, run.streams), []).append(run)
+    return list(groups.values())
+
+
+def pooled(group: Sequence[LevelRun]) -> LevelRun:
+    """Runs of one (method, level) as one: wall times, tokens, first tokens and iterations together
+    (requests keyed by (run, id)); the first run's outputs."""
+    return LevelRun(group[0].method, group[0].streams, sum(r.wall_s for r in group),
+                    {(i, k): v for i, r in enumerate(group) for k, v in r.tokens.items()},
+                    {(i, k): v for i, r in enumerate(group) for k, v in r.first.items()},
+                    [s for r in group for s in r.iterations], group[0].outputs)
+
+
+def level_figures(runs: Sequence[LevelRun]) -> dict:
+    """A level's figures over its repeated runs (one method) pooled: tokens per second is every
+    run's tokens over every run's wall time; ``runs_tokens_per_s``: each run's own."""
+    run = pooled(runs)
+    total, iterations = sum(run.tokens.values()), run.iterations
+    return {"method": run.method, "streams": run.streams, "wall_s": run.wall_s, "new_tokens": total,
+            "repeats": len(runs), "runs_tokens_per_s": [sum(r.tokens.values()) / r.wall_s for r in runs],
+            "aggregate_tokens_per_s": total / run.wall_s, "ttft_ms_p50": statistics.median(run.first.values()),
             "iterations": len(iterations), "tokens_per_pass": total / len(iterations),
             "drafted_per_iteration": statistics.fmean(s.drafted_tokens for s in iterations),
             "drafts_per_iteration": statistics.fmean(s.drafts for s in iterations),
             "running_mean": statistics.fmean(s.running for s in iterations),
             "phase_ms": phase_means(iterations), "profile": split_profile(iterations),
-            "outputs": {str(k): v for k, v in outputs.items()}}
+            "outputs": {str(k): v for k, v in run.outputs.items()}}
 
 
 def phase_means(iterations: Sequence[IterationStats]) -> dict[str, float]:
@@ -180,7 +241,7 @@ def markdown(rows: list[dict]) -> str:
         prefill, decode = r["profile"]["prefill"], r["profile"]["decode"]
         share = lambda key: f"{r[key]:.2f}" if r.get(key) else ""  # noqa: E731
         lines.append(f"| {r['streams']} | {r['method']} | {r['aggregate_tokens_per_s']:.2f} | {r['vs_incremental']:.2f} "
-                     f"| {r['ttft_ms_p50']:.0f} | {r['tokens_per_pass']:.2f} | {prefill['seconds']:.1f} | "
+                     f"| {r['ttft_ms_p50']:.0f} | {r['tokens_per_pass']:.2f} | {prefill['seconds'] / r['repeats']:.1f} | "
                      f"{decode['tokens_per_s'] or 0:.2f} | {decode['phase_ms']['draft']:.0f} | "
                      f"{decode['phase_ms']['verify']:.0f} | {share('of_limit')} | {share('decode_of_limit')} |")
     return "\n".join(lines) + "\n"
@@ -208,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         help="server.tree_budget.disable_above_running for this run (plain decoding above it)")
     parser.add_argument("--gate-ab", action="store_true",
                         help="also run each speculative method with the draft gate off (\"METHOD (no gate)\")")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds per level, every method once a round; figures pool the rounds")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -223,8 +286,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     try:
         for method in methods:  # warm-up, not recorded: the largest level's shapes (prompt chunks, batches)
             run_level(engine, method, workload, max(streams), 4)
-        levels = [run_level(engine, method, workload, s, args.max_new_tokens, gated)
-                  for s in streams for method, gated in variants(methods, args.gate_ab)]
+        levels = run_levels(engine, methods, workload, streams, args)
         after = measure_target_curve(engine.target, max(before), float("inf")) if before else None
     finally:
         close_engine(engine)

@@ -11,7 +11,8 @@ plainly that iteration (model-free proposers still draft). After each *steady* a
 iteration (the requests that began drafting lacked at most ``STEADY_LAG`` tokens of context each;
 no prompt chunk in the pass, which would make a few drafted tokens look free) the gate measures what the drafting
 bought against plain decoding (``drafting_pays``), the plain pass measured in *control* iterations
-that do not draft (``CONTROL_EVERY``). The mean of two such samples decides: paying doubles the
+that do not draft (``CONTROL_EVERY``) once a verdict is close. A pass with prompt chunks drafts only
+at a load where drafting pays. The mean of two such samples decides: paying doubles the
 limit (where it bound), not paying halves it; at 0 the gate sits out 1, 2, 4, ... iterations (at
 most ``max_wait``), then one request drafts again. The gate keeps this state per load (a
 power-of-two bucket of the running count, ``Load``), so a server that returns to a load it knows
@@ -41,11 +42,13 @@ from .shape import TreeCost
 # batch), so catch-up breaks even at 29 and 6 tokens per token left.
 JOIN_RATIO = 8
 FADE = 0.5  # weight of the history in the gate's moving averages (catch-up and saving ms, plain scale)
-# A load's plain pass is measured, not guessed: its first clean iteration that could draft, and one
-# in every CONTROL_EVERY + 1 after (4x as many while its verdict is clear), runs without drafting (a
-# *control*). The verify-cost curve (one request, a 256-token prefix) prices tree tokens too low
-# against a batch on long contexts: on 8 ShareGPT requests it put the plain pass at 120 ms where it
-# took 94.
+# A load's plain pass is measured, not guessed, where it can change a decision: once a verdict comes
+# out close (within PREDICTION_MARGIN of 1), the next clean iteration that could draft runs without
+# drafting (a *control*), and one in every CONTROL_EVERY + 1 after (4x as many while the verdict is
+# clear). The verify-cost curve (one request, a 256-token prefix) prices tree tokens too low against
+# a batch on long contexts: on 8 ShareGPT requests it put the plain pass at 120 ms where it took 94,
+# enough to move a verdict of 0.9 to 1.1 but not past the margin. A clear verdict before any control
+# (one request drafting 2x faster than it decodes) spends no iteration on one.
 CONTROL_EVERY = 16
 PREDICTION_MARGIN = 1.25  # a ratio this far from 1 (either way) is clear: acted on without a probe, fewer controls
 STEADY_LAG = 4  # a drafter new this iteration that lacks at most this many tokens keeps it steady
@@ -190,11 +193,21 @@ class Load:
         return None if self.ratio is None else self.ratio >= 1.0
 
     @property
+    def clear(self) -> bool:
+        """The last verdict is beyond ``PREDICTION_MARGIN`` either way (False before any)."""
+        return self.ratio is not None and not 1 / PREDICTION_MARGIN <= self.ratio <= PREDICTION_MARGIN
+
+    @property
     def control_every(self) -> int:
-        """Drafting iterations between controls: ``CONTROL_EVERY``, 4x that while the last verdict
-        was clear (its ratio beyond ``PREDICTION_MARGIN`` either way)."""
-        clear = self.ratio is not None and not 1 / PREDICTION_MARGIN <= self.ratio <= PREDICTION_MARGIN
-        return 4 * CONTROL_EVERY if clear else CONTROL_EVERY
+        """Drafting iterations between controls: ``CONTROL_EVERY``, 4x that while the verdict is clear."""
+        return 4 * CONTROL_EVERY if self.clear else CONTROL_EVERY
+
+    @property
+    def control_due(self) -> bool:
+        """The next clean iteration that could draft is a control: ``control_every`` drafting
+        iterations since the last, or a close verdict priced without a measured plain pass."""
+        close = self.ratio is not None and not self.clear
+        return self.since_control >= self.control_every or (self.plain_scale is None and close)
 
     def decide(self, ratio: float, bound: bool, most: int, max_wait: int) -> None:
         """One steady iteration's ``drafting_pays``; every ``SAMPLES`` of them, a verdict."""
@@ -243,7 +256,9 @@ class DraftGate:
 
     def choose(self, candidates: Sequence[Candidate], running: int, clean: bool = True) -> frozenset[int]:
         """The requests that draft this iteration with their cost-aware proposers; none in a control
-        iteration (``CONTROL_EVERY``), which only a ``clean`` pass (no prompt chunk in it) can be."""
+        iteration (``Load.control_due``), which only a ``clean`` pass (no prompt chunk in it) can be,
+        and none in a pass with prompt chunks unless the load's verdict is that drafting pays (a probe
+        there could not be measured, and its catch-up would be spent for nothing)."""
         level = bucket(running)
         load = self.loads.setdefault(level, Load())
         if load is not self._load and load.pays is None and not load.samples:
@@ -252,8 +267,10 @@ class DraftGate:
         if load.left:
             load.left -= 1
             return frozenset()
-        if candidates and clean and (load.plain_scale is None or load.since_control >= load.control_every):
+        if candidates and clean and load.control_due:
             load.since_control = 0
+            return frozenset()
+        if not clean and not load.pays:
             return frozenset()
         load.since_control += bool(candidates)
         saving = load.saving_ms if load.pays else None  # a probe of a load that did not pay: JOIN_RATIO

@@ -64,19 +64,23 @@ def test_a_catch_up_is_priced_against_the_steady_draft_cost():
     assert gate.catch_up_ms == pytest.approx((130.0 - 6 * 5.0) / 200)  # 0.5 ms a token
 
 
-def test_a_load_measures_its_plain_pass_first_and_then_every_so_often():
+def test_a_load_measures_its_plain_pass_once_a_verdict_is_close_and_then_every_so_often():
     gate, pool = DraftGate(CURVE, most=8), [Candidate(i, 2, 64, False) for i in range(8)]
+    assert gate.choose(pool, 8) == frozenset(range(4))  # nothing measured: START_LIMIT, priced by the curve
+    load = gate.loads[bucket(8)]
+    load.ratio = 2.0  # a clear verdict: no control spent on it
+    assert gate.choose(pool, 8) == frozenset(range(4))
+    load.ratio = 1.1  # a close one: the next clean pass is a control
     assert gate.choose(pool, 8, clean=False) == frozenset(range(4))  # prompt chunks in the pass: no control
-    gate.observe(frozenset(range(4)), Sample(8, 8, 4, 284, 40.0, 900.0, catch_up=8))
-    assert gate.choose(pool, 8) == frozenset()  # the first clean pass at this load is a control
+    assert gate.choose(pool, 8) == frozenset()
     gate.observe(frozenset(), Sample(8, 0, 0, 0, 0.0, 176.0))
-    assert gate.loads[bucket(8)].plain_scale == 2.0  # the pass took 2x the curve's 88 ms
+    assert load.plain_scale == 2.0  # the pass took 2x the curve's 88 ms
     gate.observe(frozenset(), Sample(8, 24, 3, 0, 0.0, 380.0))  # the suffix proposer's 24 tokens in it
-    assert gate.loads[bucket(8)].plain_scale == 2.0  # 380 ms is 2x the curve's 190 for 32 tokens
+    assert load.plain_scale == 2.0  # 380 ms is 2x the curve's 190 for 32 tokens
     chosen = [gate.choose(pool, 8) for _ in range(CONTROL_EVERY + 2)]
     assert [len(c) for c in chosen] == [4] * CONTROL_EVERY + [0, 4]
-    gate.loads[bucket(8)].ratio = 2.0  # a clear verdict: controls 4x rarer
-    assert gate.loads[bucket(8)].control_every == 4 * CONTROL_EVERY
+    load.ratio = 2.0  # a clear verdict: controls 4x rarer
+    assert load.control_every == 4 * CONTROL_EVERY
     sample = Sample(8, 8, 4, 0, 40.0, 300.0)  # measured plain 176 ms, not the curve-scaled 216
     assert plain_ms(sample, CURVE, 2.0) == 176.0 and plain_ms(sample, CURVE) == pytest.approx(216.4, abs=0.1)
 
@@ -211,6 +215,15 @@ def test_the_loop_drafts_as_many_as_the_gate_allows_and_stays_exact(models, monk
     else:  # the gate sat out: iterations of plain decoding while all four ran
         assert max(s.drafts for s in seen) <= 2
         assert min(s.drafts for s in decoding) == 0 and max(s.drafts for s in decoding[-6:]) <= 1
+
+
+@pytest.mark.parametrize("ratio, drafters", [(None, 0), (0.9, 0), (1.2, 4)])
+def test_a_pass_with_prompt_chunks_drafts_only_where_drafting_pays(ratio, drafters):
+    """A probe in a pass busy with prompts could not be measured: only a paying load drafts there."""
+    gate = measured_gate()
+    gate.loads[bucket(8)].ratio = ratio
+    assert len(gate.choose(candidates(8), 8, clean=False)) == drafters
+    assert len(gate.choose(candidates(8), 8)) == 4
 
 
 def test_a_pass_with_prompt_chunks_gives_no_verdict():

@@ -460,3 +460,41 @@ def test_gate_ab_runs_each_speculative_method_without_the_gate_too_and_keeps_the
     engine = type("Engine", (), {"loop": loop})()
     level = run_level(engine, methods[1], [EncodedPrompt(Prompt("0", "", False), tuple(range(3, 9)))], 1, 4, False)
     assert level["method"] == "tree (no gate)" and loop.gate is gate
+
+
+def test_repeated_rounds_are_pooled_per_method():
+    """Two rounds of incremental around one of tree: each method's figures pool its own rounds."""
+    from bench.loop_load import LevelRun, grouped, level_figures
+
+    one = [stats(0, 4, 100.0)]
+    runs = [LevelRun("incremental", 2, 1.0, {0: 4, 1: 4}, {0: 100.0, 1: 300.0}, one, {0: [1]}),
+            LevelRun("tree", 2, 0.5, {2: 8}, {2: 50.0}, one, {2: [2]}),
+            LevelRun("incremental", 2, 3.0, {3: 8}, {3: 200.0}, one * 2, {3: [3]})]
+    groups = grouped(runs)
+    assert [[r.method for r in group] for group in groups] == [["incremental", "incremental"], ["tree"]]
+    figures = level_figures(groups[0])
+    assert figures["aggregate_tokens_per_s"] == 16 / 4.0 and figures["runs_tokens_per_s"] == [8.0, 8 / 3.0]
+    assert (figures["repeats"], figures["ttft_ms_p50"], figures["iterations"]) == (2, 200.0, 3)
+    assert figures["outputs"] == {"0": [1]}  # the first round's
+
+
+def test_run_levels_alternates_the_methods_within_each_round(monkeypatch):
+    import argparse
+
+    import bench.loop_load as loop_load
+    from bench.methods import Method
+
+    calls = []
+
+    def measure(engine, method, workload, streams, max_new_tokens, gated=True):
+        calls.append((streams, method.spelling))
+        return loop_load.LevelRun(method.spelling, streams, 1.0, {len(calls): 2}, {len(calls): 1.0},
+                                  [stats(0, 2, 10.0)], {})
+
+    monkeypatch.setattr(loop_load, "measure_level", measure)
+    methods = [Method("incremental", "engine", SpeculationOptions(mode="incremental")), Method("tree", "engine", TREE)]
+    figures = loop_load.run_levels(None, methods, [], [1, 4], argparse.Namespace(repeats=2, max_new_tokens=4,
+                                                                                  gate_ab=False))
+    assert calls == [(s, m) for s in (1, 4) for _ in range(2) for m in ("incremental", "tree")]
+    assert [(f["streams"], f["method"], f["repeats"]) for f in figures] == [
+        (1, "incremental", 2), (1, "tree", 2), (4, "incremental", 2), (4, "tree", 2)]
