@@ -27,7 +27,8 @@ from engine.step import Assignment, Drafted
 
 from .guard import Guard, make_dropper
 from .targets import batching_parts
-from .common import HoldsRequests, NeedsResync, Vocabulary, setup_process, sweep_interval, sync_history, vocabulary
+from .common import (ComputeThread, HoldsRequests, NeedsResync, Vocabulary, on_compute_thread, setup_process,
+                     sweep_interval, sync_history, vocabulary)
 from .loop_calls import SSMJob
 from .loading import load_configured, model_spec
 from .store import RequestStore, start_sweeper
@@ -66,6 +67,11 @@ class SSMActor(HoldsRequests):
     """Hosts ``config.ssms[index]`` as proposer ``index`` (its place in the engine's order)."""
 
     def __init__(self, config: EngineConfig, index: int, torch_threads: int):
+        self.compute = ComputeThread()
+        self.compute.run(self._load, config, index, torch_threads)
+
+    def _load(self, config: EngineConfig, index: int, torch_threads: int) -> None:
+        """What ``__init__`` does, on the compute thread (``actors.common.ComputeThread``)."""
         setup_process(torch_threads, config.server.ssm_actor.cpu_affinity)
         model_config = config.ssms[index]
         loaded = load_configured(config, model_config)
@@ -103,6 +109,7 @@ class SSMActor(HoldsRequests):
         None for an SSM of the target's vocabulary."""
         return self.drafter.counts if isinstance(self.drafter, CrossVocabDrafter) else None
 
+    @on_compute_thread
     def draft_batch(self, jobs: list[SSMJob]) -> list[Drafted | BaseException]:
         """The engine loop's draft phase here: every job's tree, one packed forward per tree level for
         all of them (``engine.phases.DraftSide``). Per job its Drafted (``draft_ms``: the whole

@@ -23,7 +23,8 @@ from .guard import Guard, make_dropper
 from .loop_calls import PrefillJob, StepReply, TreeJob
 from .loading import auto_chose_cpu_bf16, check_bf16_curve
 from .targets import build_target
-from .common import HoldsRequests, Vocabulary, setup_process, sweep_interval, vocabulary
+from .common import (ComputeThread, HoldsRequests, Vocabulary, on_compute_thread, setup_process, sweep_interval,
+                     vocabulary)
 from .store import RequestStore, start_sweeper
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,11 @@ class TargetInfo:
 class VerifierActor(HoldsRequests):
     def __init__(self, config: EngineConfig, torch_threads: int, name_prefix: str = "specinfer",
                  namespace: str | None = None):
+        self.compute = ComputeThread()
+        self.compute.run(self._load, config, torch_threads, name_prefix, namespace)
+
+    def _load(self, config: EngineConfig, torch_threads: int, name_prefix: str, namespace: str | None) -> None:
+        """What ``__init__`` does, on the compute thread (``actors.common.ComputeThread``)."""
         setup_process(torch_threads, config.verifier.actor.cpu_affinity)
         self.paged = config.server.batching.enabled
         self.store: RequestStore[VerifyState] = RequestStore(
@@ -68,6 +74,7 @@ class VerifierActor(HoldsRequests):
         chunk = config.server.batching.prefill_chunk_tokens if self.paged else None
         self.init_loop(TargetSide(self.target, chunk))
 
+    @on_compute_thread
     def measure_verify_cost(self) -> dict[int, float] | None:
         """ms of one verify pass vs tokens in it (None when neither the tree budget, which needs
         batching, nor cost-aware shapes use it).
@@ -96,6 +103,7 @@ class VerifierActor(HoldsRequests):
     def ready(self) -> TargetInfo:
         return self.info
 
+    @on_compute_thread
     def step_batch(self, merged: dict | None, trees: list[TreeJob], prefills: list[PrefillJob]) -> StepReply:
         """The engine loop's verify phase: one target pass over every tree and each prompt's next
         chunk (``engine.phases.TargetSide``). ``merged``: the merge actor's trees by request (None:
