@@ -74,8 +74,8 @@ class ComputeThread:
     lets a team's threads spin between parallel regions only while the process's OpenMP threads are
     no more than its CPUs; past that, every region wakes its threads through the kernel (about 25
     us, paid by each small op). A threaded actor's calls land on any of its ``max_concurrency``
-    threads, so its passes soon ran that way: the default target's 32-token pass took 200-220 ms
-    on a second thread against 170-180 ms on the thread that loaded it (2-core EPYC, bf16), the
+    threads, so its passes soon ran that way: the default target's 32-token pass took 200-225 ms
+    on a second thread against 165-175 ms on the thread that loaded it (2-core EPYC, bf16), the
     small ops 5x slower. The per-request calls of the unlooped path still run on the call's
     thread: their threads meet in the forward batcher.
     """

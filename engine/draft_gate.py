@@ -10,9 +10,9 @@ Each iteration at most ``limit`` requests draft with their cost-aware proposers;
 plainly that iteration (model-free proposers still draft). After each *steady* and *clean*
 iteration (the requests that began drafting lacked at most ``STEADY_LAG`` tokens of context each;
 no prompt chunk in the pass, which would make a few drafted tokens look free) the gate measures what the drafting
-bought against plain decoding (``drafting_pays``), the plain pass measured in *control* iterations
-that do not draft (``CONTROL_EVERY``) once a verdict is close. A pass with prompt chunks drafts only
-at a load where drafting pays. The mean of two such samples decides: paying doubles the
+bought against plain decoding (``drafting_pays``): the plain pass priced by the verify-cost curve
+until a verdict comes out close to 1, then measured in *control* iterations that do not draft
+(``CONTROL_EVERY``). A pass with prompt chunks drafts only at a load where drafting pays. The mean of two such samples decides: paying doubles the
 limit (where it bound), not paying halves it; at 0 the gate sits out 1, 2, 4, ... iterations (at
 most ``max_wait``), then one request drafts again. The gate keeps this state per load (a
 power-of-two bucket of the running count, ``Load``), so a server that returns to a load it knows
@@ -47,8 +47,9 @@ FADE = 0.5  # weight of the history in the gate's moving averages (catch-up and 
 # drafting (a *control*), and one in every CONTROL_EVERY + 1 after (4x as many while the verdict is
 # clear). The verify-cost curve (one request, a 256-token prefix) prices tree tokens too low against
 # a batch on long contexts: on 8 ShareGPT requests it put the plain pass at 120 ms where it took 94,
-# enough to move a verdict of 0.9 to 1.1 but not past the margin. A clear verdict before any control
-# (one request drafting 2x faster than it decodes) spends no iteration on one.
+# enough to move a verdict of 0.9 to 1.1 but not past the margin. Before a control the plain pass is
+# the curve's price scaled to the iteration's own pass (``plain_ms``), so a clear verdict (one
+# request whose drafting buys tokens at 2x the plain rate, say) spends no iteration on a control.
 CONTROL_EVERY = 16
 PREDICTION_MARGIN = 1.25  # a ratio this far from 1 (either way) is clear: acted on without a probe, fewer controls
 STEADY_LAG = 4  # a drafter new this iteration that lacks at most this many tokens keeps it steady
