@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .shape import TreeCost
+from .timing import moving_average
 
 # Before the gate has measured a catch-up and a saving: committed tokens an SSM may lack per token
 # the request may still emit, for it to start drafting. Measured on the default pair (2-core
@@ -41,7 +42,7 @@ from .shape import TreeCost
 # ms per emitted token at 1 stream (84 -> 58 ms) and 5.6 ms at 2 (39.4 -> 33.8 ms a token of the
 # batch), so catch-up breaks even at 29 and 6 tokens per token left.
 JOIN_RATIO = 8
-FADE = 0.5  # weight of the history in the gate's moving averages (catch-up and saving ms, plain scale)
+FADE = 0.5  # ``keep`` of the gate's moving averages (catch-up, draft and saving ms, plain scale)
 # A load's plain pass is measured, not guessed, where it can change a decision: once a verdict comes
 # out close (within PREDICTION_MARGIN of 1), the next clean iteration that could draft runs without
 # drafting (a *control*), and one in every CONTROL_EVERY + 1 after (4x as many while the verdict is
@@ -130,11 +131,6 @@ def saving_per_token(sample: Sample, cost: TreeCost, drafters: int, plain_scale:
     if ratio <= 1.0:
         return 0.0
     return plain_ms(sample, cost, plain_scale) / sample.decoding * (1.0 - 1.0 / ratio) * accepted / (1.0 + accepted)
-
-
-def faded(average: float | None, value: float) -> float:
-    """``value`` folded into a moving ``average`` (None: none yet) with weight 1 - ``FADE``."""
-    return value if average is None else FADE * average + (1.0 - FADE) * value
 
 
 def drafting_pays(sample: Sample, cost: TreeCost, plain_scale: float | None = None) -> float:
@@ -290,17 +286,19 @@ class DraftGate:
             return
         if not drafters:  # a plain pass (model-free proposers' tokens aside): its cost against the curve's
             if sample.decoding and sample.clean:
-                load.plain_scale = faded(load.plain_scale, sample.verify_ms / self.cost.verify(sample.pass_tokens))
+                scale = sample.verify_ms / self.cost.verify(sample.pass_tokens)
+                load.plain_scale = moving_average(load.plain_scale, scale, FADE)
             return
         if steady and sample.clean:
             scale = load.plain_scale
-            load.draft_ms = faded(load.draft_ms, sample.draft_ms / len(drafters))
-            load.saving_ms = faded(load.saving_ms, saving_per_token(sample, self.cost, len(drafters), scale))
+            saving = saving_per_token(sample, self.cost, len(drafters), scale)
+            load.draft_ms = moving_average(load.draft_ms, sample.draft_ms / len(drafters), FADE)
+            load.saving_ms = moving_average(load.saving_ms, saving, FADE)
             load.decide(drafting_pays(sample, self.cost, scale), len(drafters) >= load.limit, self.most,
                         self.max_wait)
         elif sample.catch_up and load.draft_ms is not None:
             extra = max(0.0, sample.draft_ms - load.draft_ms * len(drafters))
-            self.catch_up_ms = faded(self.catch_up_ms, extra / sample.catch_up)
+            self.catch_up_ms = moving_average(self.catch_up_ms, extra / sample.catch_up, FADE)
 
     def _start_from_neighbours(self, level: int, load: Load) -> None:
         """A load without a verdict, entered: closed, open or probing, by the nearest verdict's prediction."""

@@ -286,7 +286,7 @@ class EngineLoop:
                clean: bool) -> tuple[dict[int, StepPlan], int]:
         """The plans with the cost-aware proposers left out of the requests the draft gate holds back,
         and the committed tokens the SSMs of the requests that draft for the first time since the last
-        iteration lack (their catch-up)."""
+        iteration lack (their catch-up). A request that drafts has its ``drafted_at`` moved to now."""
         if self.gate is None:
             return plans, 0
         candidates = [Candidate(r.id, len(r.session.committed) - r.drafted_at,

@@ -20,7 +20,7 @@ import transformers
 from .architectures import LAYER_KINDS, REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from .checkpoint import NotDirect, load_direct
 from .fused_int8 import fuse_int8_siblings
-from .packed import ATTENTION, register_attention
+from .packed import use_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -166,8 +166,7 @@ def load_model(spec: ModelSpec, attn_implementation: str = "sdpa") -> LoadedMode
     attention = attention_for(config, attn_implementation)
     model = _load_weights(spec, source, kwargs, config, device, attention)
     if device.type == "cpu" and spec.dtype in ("bfloat16", "float16") and attention == "sdpa":
-        register_attention()  # SDPA unless a pass has few queries, which run as matmuls (``engine.packed.attend``)
-        model.set_attn_implementation(ATTENTION)
+        use_attention(model)  # SDPA unless a pass has few queries, which run as matmuls (``engine.packed.attend``)
     if device.type == "cpu" and spec.dtype == "bfloat16" and not cpu_has_bf16():
         logger.warning("%s: bfloat16 on a CPU without native bf16 (no AVX512-BF16 / AMX): matrix products are "
                        "emulated, a forward of several tokens costs several times one of a single token and "

@@ -178,8 +178,7 @@ class PackedRunner:
     """A Hugging Face causal LM running PackedBatches over a KVStorage."""
 
     def __init__(self, model, storage: KVStorage):
-        register_attention()
-        model.set_attn_implementation(ATTENTION)
+        use_attention(model)
         self.model, self.storage = model, storage
         self.device = next(model.parameters()).device
 
@@ -315,6 +314,8 @@ def register_custom_attention(name: str, function) -> None:
     AttentionMaskInterface.register(name, sdpa_mask)
 
 
-def register_attention() -> None:
-    """Register ``specinfer_paged`` with transformers."""
+def use_attention(model) -> None:
+    """Register ``specinfer_paged`` with transformers and run ``model`` with it: ``paged_attention``
+    in a packed batch, ``unpaged_attention`` (a DynamicCache forward) without one."""
     register_custom_attention(ATTENTION, paged_attention)
+    model.set_attn_implementation(ATTENTION)

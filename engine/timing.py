@@ -10,12 +10,13 @@ from typing import Callable
 KEEP = 0.8  # weight of the estimate so far; a new measurement gets 1 - KEEP
 
 
-def moving_average(last: float | None, value: float) -> float:
-    """Fold ``value`` into the estimate ``last`` (None: nothing measured yet, the value itself).
+def moving_average(last: float | None, value: float, keep: float = KEEP) -> float:
+    """Fold ``value`` into the estimate ``last`` (None: nothing measured yet, the value itself), the
+    estimate weighted ``keep``.
 
-    Example: None, 30 -> 30; 30, 40 -> 32 (0.8 x 30 + 0.2 x 40).
+    Example: None, 30 -> 30; 30, 40 -> 32 (0.8 x 30 + 0.2 x 40); keep 0.5: 30, 40 -> 35.
     """
-    return value if last is None else KEEP * last + (1.0 - KEEP) * value
+    return value if last is None else keep * last + (1.0 - keep) * value
 
 
 def median_ms(run: Callable[[], object], repeats: int) -> float:

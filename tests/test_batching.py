@@ -694,6 +694,15 @@ def test_moving_average_starts_at_the_first_measurement_then_keeps_four_fifths(l
     assert moving_average(last, value) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("last, value, keep, expected", [(None, 30.0, 0.5, 30.0), (30.0, 40.0, 0.5, 35.0),
+                                                         (30.0, 40.0, 0.0, 40.0)])
+def test_moving_average_keeps_the_weight_asked_for(last, value, keep, expected):
+    """The draft gate's averages keep half (``engine.draft_gate.FADE``)."""
+    from engine.timing import moving_average
+
+    assert moving_average(last, value, keep) == pytest.approx(expected)
+
+
 # -- Attention over a request's slots (engine.packed.attend). -------------------------------------
 
 

@@ -181,3 +181,23 @@ def test_row_chunks_cover_a_piece_in_bounded_reads(tmp_path):
     with mock.patch("engine.checkpoint.READ_CHUNK_BYTES", 16):
         fill_parameters(layer, Checkpoint.open(tmp_path), {"weight": "w"})
     assert torch.equal(layer.weight, full.float())
+
+
+@pytest.mark.parametrize("dtype, expected", [("bfloat16", "specinfer_paged"), ("float32", "sdpa")])
+def test_a_reduced_precision_cpu_model_attends_through_the_engines_attention(tmp_path, dtype, expected):
+    """On a CPU in bf16 a model's DynamicCache passes go through ``engine.packed``'s attention (its
+    few-query passes as matmuls, SDPA's reduced-precision kernel being slow there); float32 keeps
+    SDPA. Both give the same decode step, to bf16's precision."""
+    tiny_model("llama").save_pretrained(tmp_path)
+    with mock.patch("transformers.AutoTokenizer.from_pretrained", return_value="tokenizer"):
+        model = load_model(ModelSpec("tiny", str(tmp_path), dtype=dtype, device="cpu")).model
+    assert model.config._attn_implementation == expected
+
+    def decode_step() -> torch.Tensor:  # -> [1, 1, V]: one query over a 5-token cache
+        with torch.no_grad():
+            cache = model(torch.tensor([[1, 2, 3, 4, 5]]), use_cache=True).past_key_values
+            return model(torch.tensor([[6]]), past_key_values=cache).logits.float()
+
+    ours = decode_step()
+    model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(ours, decode_step(), rtol=0.02, atol=0.02 * ours.abs().max().item())
