@@ -12,18 +12,26 @@ iteration (the requests that began drafting lacked at most ``STEADY_LAG`` tokens
 no prompt chunk in the pass, which would make a few drafted tokens look free) the gate measures what the drafting
 bought against plain decoding (``drafting_pays``): the plain pass priced by the verify-cost curve
 until a verdict comes out close to 1, then measured in *control* iterations that do not draft
-(``CONTROL_EVERY``). A pass with prompt chunks drafts only at a load where drafting pays. The mean of two such samples decides: paying doubles the
-limit (where it bound), not paying halves it; at 0 the gate sits out 1, 2, 4, ... iterations (at
-most ``max_wait``), then one request drafts again. The gate keeps this state per load (a
-power-of-two bucket of the running count, ``Load``), so a server that returns to a load it knows
-resumes what it found there, and a load it has not measured starts from a prediction out of the
-nearest one it has (``predicted_ratio``).
+(``CONTROL_EVERY``). A pass with prompt chunks drafts only at a load where drafting pays. A
+verdict pools its samples (``pooled_pays``: their accepted tokens over the plain tokens their
+drafting's ms would have bought) once they hold ``MIN_DRAFTED`` drafted tokens (at least
+``SAMPLES`` of them, at most ``MAX_SAMPLES``): one request's iteration drafts 0-10 tokens, too few
+for a verdict of its own. Paying doubles the limit (where it bound); not paying halves it while it is
+above ``START_LIMIT``, else the gate sits out 1, 2, 4, ... iterations (at most ``max_wait``), then
+``START_LIMIT`` requests draft again. The floor is there because an SSM's packed forward costs
+about as much for one tree as for four: a probe by one request of four weighs a whole forward
+against one request's tokens (measured on the default pair at 4 running: one drafter 0.39-0.82,
+all four drafting above incremental), so the probe is the batch, not one request of it. The gate
+keeps this state per load (a power-of-two bucket of the running count, ``Load``), so a server that
+returns to a load it knows resumes what it found there, and a load it has not measured starts from
+the nearest one's verdict (``Load.open_like``).
 
 Who drafts when not all may: those that drafted in the iteration before (nothing to catch up),
 then the least *lag* (committed tokens the SSMs lack: a request's whole context before its first
 draft). A request starts only if its SSMs' catch-up costs no more than drafting saves it over the
-tokens it may still emit, both measured; before they are, if its lag is at most ``JOIN_RATIO`` x
-those tokens (``joins``).
+tokens it may still emit, both measured (a load without a verdict takes the nearest paying load's
+saving, ``DraftGate.saving_at``); before they are, if its lag is at most ``JOIN_RATIO`` x those
+tokens (``joins``).
 
 It changes who drafts, never what a draft or a verdict is: greedy output stays the target's own.
 """
@@ -54,8 +62,10 @@ FADE = 0.5  # ``keep`` of the gate's moving averages (catch-up, draft and saving
 CONTROL_EVERY = 16
 PREDICTION_MARGIN = 1.25  # a ratio this far from 1 (either way) is clear: acted on without a probe, fewer controls
 STEADY_LAG = 4  # a drafter new this iteration that lacks at most this many tokens keeps it steady
-START_LIMIT = 4  # requests drafting before anything was measured
-SAMPLES = 2  # steady iterations averaged per decision
+START_LIMIT = 4  # requests drafting before anything was measured, and in each probe
+SAMPLES = 2  # steady iterations pooled per verdict, at least ...
+MAX_SAMPLES = 8  # ... and at most, drafting MIN_DRAFTED tokens between them before MAX_SAMPLES
+MIN_DRAFTED = 16
 
 
 @dataclass(frozen=True)
@@ -133,20 +143,35 @@ def saving_per_token(sample: Sample, cost: TreeCost, drafters: int, plain_scale:
     return plain_ms(sample, cost, plain_scale) / sample.decoding * (1.0 - 1.0 / ratio) * accepted / (1.0 + accepted)
 
 
+def forgone(sample: Sample, cost: TreeCost, plain_scale: float | None = None) -> float:
+    """The tokens a plain pass would have emitted in the ms the iteration's drafting cost: the draft
+    phase and the verify time of the drafted tokens (the pass less ``plain_ms``), at the batch's
+    plain rate (decoding requests per ``plain_ms``); negative where the pass took less than its
+    plain price. Example: ``drafting_pays``' -> 134.1 ms x 8 / 95.9 = 11.19 tokens."""
+    plain = plain_ms(sample, cost, plain_scale)
+    return (sample.draft_ms + sample.verify_ms - plain) * sample.decoding / plain
+
+
 def drafting_pays(sample: Sample, cost: TreeCost, plain_scale: float | None = None) -> float:
     """The tokens the iteration's drafting bought per ms it cost, as a multiple of the batch's rate
-    without it (>= 1: drafting paid). Its cost is the draft phase and the verify time of the drafted
-    tokens: the pass less what it would have taken without them (``plain_ms``).
+    without it (>= 1: drafting paid): its accepted tokens over the ``forgone`` ones.
 
     Example: curve ((1, 70), (8, 88), (32, 190)), 8 decoding, 16 drafted, 8 accepted, 24 tokens in
     the pass, draft 60 ms, verify 170 ms: V(24) = 156, scale 1.09, plain pass V(8) = 88 -> 95.9 ms;
     drafting cost 60 + 1.09 x 68 = 134.1 ms for 8 tokens, plain rate 8 / 95.9: 0.72 (it lost).
     """
-    plain = plain_ms(sample, cost, plain_scale)
-    drafting_ms = sample.draft_ms + sample.verify_ms - plain
-    if drafting_ms <= 0:
-        return float("inf") if sample.accepted else 0.0
-    return (sample.accepted / drafting_ms) / (sample.decoding / plain)
+    return pooled_pays([(sample.accepted, forgone(sample, cost, plain_scale))])
+
+
+def pooled_pays(samples: Sequence[tuple[int, float]]) -> float:
+    """``drafting_pays`` of several iterations together, from their (accepted, ``forgone``) tokens:
+    all accepted over all forgone (inf where the drafting cost nothing and bought tokens, 0 where it
+    bought none). Example: (1, 0.5), (0, 1.5), (4, 1.0) -> 5 / 3 = 1.67, where the mean of the
+    three ratios (2.0, 0.0, 4.0) is 2.0."""
+    accepted, cost = sum(a for a, _ in samples), sum(f for _, f in samples)
+    if cost <= 0:
+        return float("inf") if accepted else 0.0
+    return accepted / cost
 
 
 def bucket(running: int) -> int:
@@ -154,20 +179,9 @@ def bucket(running: int) -> int:
     return max(running, 1).bit_length() - 1
 
 
-def plain_rate(running: int, cost: TreeCost) -> float:
-    """Tokens per ms of a plain decode pass over ``running`` requests (one token each), by the curve."""
-    return running / cost.verify(running)
-
-
-def predicted_ratio(ratio: float, measured_at: int, level: int, cost: TreeCost) -> float:
-    """``drafting_pays`` at bucket ``level`` predicted from its value ``ratio`` at bucket
-    ``measured_at``: what drafting buys per ms stays, the plain rate it is weighed against moves
-    with the load (each bucket read at its smallest running count, 2 ** bucket).
-
-    Example: curve ((1, 70), (8, 88), (32, 190)), 0.9 measured at 8 running (plain 8 / 88 per ms)
-    -> at 16 (plain 16 / 122) 0.62; at 4 (plain 4 / 77.7) 1.59.
-    """
-    return ratio * plain_rate(2 ** measured_at, cost) / plain_rate(2 ** level, cost)
+def plain_ms_per_token(level: int, cost: TreeCost) -> float:
+    """ms per token of a plain decode pass at bucket ``level``, read at its smallest running count."""
+    return cost.verify(2 ** level) / 2 ** level
 
 
 @dataclass
@@ -178,7 +192,7 @@ class Load:
     limit: int = START_LIMIT
     wait: int = 0  # iterations the next sit-out lasts
     left: int = 0  # iterations of the current sit-out still to go
-    samples: list[float] = field(default_factory=list)
+    samples: list[tuple[int, int, float]] = field(default_factory=list)  # (drafted, accepted, forgone) each
     ratio: float | None = None
     draft_ms: float | None = None  # faded draft ms per drafter in steady iterations
     saving_ms: float | None = None  # faded ``saving_per_token``
@@ -206,23 +220,38 @@ class Load:
         close = self.ratio is not None and not self.clear
         return self.since_control >= self.control_every or (self.plain_scale is None and close)
 
-    def decide(self, ratio: float, bound: bool, most: int, max_wait: int) -> None:
-        """One steady iteration's ``drafting_pays``; every ``SAMPLES`` of them, a verdict."""
-        self.samples.append(ratio)
-        if len(self.samples) < SAMPLES:
+    def decide(self, sample: tuple[int, int, float], bound: bool, most: int, max_wait: int) -> None:
+        """One steady iteration's (drafted, accepted, ``forgone``) tokens; a verdict once the samples
+        so far hold ``MIN_DRAFTED`` drafted tokens (or number ``MAX_SAMPLES``), ``SAMPLES`` at least."""
+        self.samples.append(sample)
+        drafted = sum(d for d, _, _ in self.samples)
+        if len(self.samples) < SAMPLES or (drafted < MIN_DRAFTED and len(self.samples) < MAX_SAMPLES):
             return
-        self.ratio, self.samples = sum(self.samples) / len(self.samples), []
+        self.ratio = pooled_pays([(a, f) for _, a, f in self.samples])
+        self.samples = []
         if self.pays:
             self.wait = 0
             self.limit = min(most, 2 * self.limit) if bound else self.limit
-            return
-        self.limit //= 2
-        if not self.limit:
+        elif self.limit > START_LIMIT:
+            self.limit //= 2
+        else:
             self.sit_out(min(max_wait, max(1, 2 * self.wait)))
 
     def sit_out(self, wait: int) -> None:
-        """Nobody drafts for ``wait`` iterations, then one request tries again."""
-        self.wait, self.left, self.limit = wait, wait, 1
+        """Nobody drafts for ``wait`` iterations, then ``START_LIMIT`` requests try again."""
+        self.wait, self.left, self.limit = wait, wait, START_LIMIT
+
+    def open_like(self, other: "Load", most: int, max_wait: int) -> None:
+        """A load met for the first time, started from ``other``'s verdict (the nearest load's): closed
+        (sitting out ``max_wait`` / 4 iterations) below 1 / ``PREDICTION_MARGIN``, fully open above
+        ``PREDICTION_MARGIN``, else probing with ``START_LIMIT``. The verdict is taken as it is, not
+        scaled by the plain rates: with every request drafting, the SSMs' packed forwards and the
+        drafted tokens' verify time grow with the batch much as the plain pass does (default pair,
+        no gate, tree over incremental: 1.25 at 1 running, 0.96-1.06 at 4, 0.99 at 8, 0.85 at 16)."""
+        if other.ratio * PREDICTION_MARGIN < 1.0:
+            self.sit_out(max(1, max_wait // 4))
+        elif other.ratio > PREDICTION_MARGIN:
+            self.limit, self.left = most, 0
 
 
 @dataclass
@@ -230,10 +259,8 @@ class DraftGate:
     """The gate's state (see the module's docstring): one ``Load`` per bucket of the running count;
     ``most``: the largest limit (the batch limit).
 
-    A load without a verdict of its own starts from the nearest load that has one
-    (``predicted_ratio``): closed (sitting out ``max_wait`` / 4 iterations) where drafting is
-    predicted to buy less than 1 / ``PREDICTION_MARGIN`` of the plain rate, fully open where more
-    than ``PREDICTION_MARGIN`` times it, else (or with nothing measured) with ``START_LIMIT``.
+    A load without a verdict of its own starts from the nearest load's (``Load.open_like``), or
+    with ``START_LIMIT`` where no load has one.
     """
 
     cost: TreeCost
@@ -270,7 +297,7 @@ class DraftGate:
         if not clean and not load.pays:
             return frozenset()
         load.since_control += bool(candidates)
-        saving = load.saving_ms if load.pays else None  # a probe of a load that did not pay: JOIN_RATIO
+        saving = self.saving_at(level)
         ready = sorted((c for c in candidates if joins(c, self.catch_up_ms, saving)),
                        key=lambda c: (not c.drafted_last, c.lag, c.request_id))
         return frozenset(c.request_id for c in ready[:load.limit])
@@ -294,22 +321,34 @@ class DraftGate:
             saving = saving_per_token(sample, self.cost, len(drafters), scale)
             load.draft_ms = moving_average(load.draft_ms, sample.draft_ms / len(drafters), FADE)
             load.saving_ms = moving_average(load.saving_ms, saving, FADE)
-            load.decide(drafting_pays(sample, self.cost, scale), len(drafters) >= load.limit, self.most,
-                        self.max_wait)
+            load.decide((sample.drafted, sample.accepted, forgone(sample, self.cost, scale)),
+                        len(drafters) >= load.limit, self.most, self.max_wait)
         elif sample.catch_up and load.draft_ms is not None:
             extra = max(0.0, sample.draft_ms - load.draft_ms * len(drafters))
             self.catch_up_ms = moving_average(self.catch_up_ms, extra / sample.catch_up, FADE)
 
+    def saving_at(self, level: int) -> float | None:
+        """ms drafting saves per emitted token at bucket ``level``, for ``joins``: the load's own where
+        it pays; where it has no verdict yet, the nearest paying load's, scaled by the two loads' plain
+        ms per token (each bucket read at 2 ** bucket running); None for a probe of a load that did
+        not pay, or with nothing measured (``JOIN_RATIO`` decides). Without the scaling, a load of 8
+        met after one of 4 let every new request catch its prompt up for a saving it did not have
+        (default pair, 64-token requests: 586 tokens, 630 ms, in one iteration).
+
+        Example: curve ((1, 70), (8, 88), (32, 190)), 4-7 running paying with 2.0 ms saved a token
+        -> at 8-15 running 2.0 x (88 / 8) / (77.7 / 4) = 1.13 ms."""
+        load = self.loads.get(level)
+        if load is not None and load.ratio is not None:
+            return load.saving_ms if load.pays else None
+        paying = [(abs(b - level), b, other.saving_ms) for b, other in self.loads.items()
+                  if other.pays and other.saving_ms is not None]
+        if not paying:
+            return None
+        _, at, saving = min(paying)
+        return saving * plain_ms_per_token(level, self.cost) / plain_ms_per_token(at, self.cost)
+
     def _start_from_neighbours(self, level: int, load: Load) -> None:
-        """A load without a verdict, entered: closed, open or probing, by the nearest verdict's prediction."""
-        measured = [(abs(b - level), b, other.ratio) for b, other in self.loads.items() if other.ratio is not None]
-        if not measured:
-            return
-        _, at, ratio = min(measured)
-        predicted = predicted_ratio(ratio, at, level, self.cost)
-        if predicted * PREDICTION_MARGIN < 1.0:
-            load.sit_out(max(1, self.max_wait // 4))
-        elif predicted > PREDICTION_MARGIN:
-            load.limit, load.left = self.most, 0
-        else:
-            load.limit, load.left = START_LIMIT, 0
+        """A load without a verdict, entered: closed, open or probing, by the nearest verdict."""
+        measured = [(abs(b - level), b, other) for b, other in self.loads.items() if other.ratio is not None]
+        if measured:
+            load.open_like(min(measured, key=lambda m: m[:2])[2], self.most, self.max_wait)

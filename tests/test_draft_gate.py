@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import engine.draft_gate as draft_gate
-from engine.draft_gate import (CONTROL_EVERY, Candidate, DraftGate, Load, Sample, bucket, drafting_pays, joins,
-                               plain_ms, predicted_ratio, saving_per_token)
+from engine.draft_gate import (CONTROL_EVERY, MAX_SAMPLES, Candidate, DraftGate, Load, Sample, bucket, drafting_pays,
+                               forgone, joins, plain_ms, pooled_pays, saving_per_token)
 from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 from engine.phases import local_loop
 from engine.requests import GenerationRequest, SpeculationOptions
@@ -44,6 +44,30 @@ def test_joins(candidate, expected):
 ])
 def test_joins_once_catch_up_and_saving_are_measured(candidate, catch_up_ms, saving_ms, expected):
     assert joins(candidate, catch_up_ms, saving_ms) is expected
+
+
+@pytest.mark.parametrize("loads, level, expected", [
+    ({2: Load(ratio=1.5, saving_ms=2.0)}, 3, 1.13),  # the docstring's example: 8-15 from 4-7
+    ({2: Load(ratio=1.5, saving_ms=2.0)}, 2, 2.0),  # its own
+    ({2: Load(ratio=0.8, saving_ms=2.0)}, 2, None),  # a probe of a load that did not pay: JOIN_RATIO
+    ({2: Load(ratio=0.8, saving_ms=2.0)}, 3, None),  # no paying load to go by
+    ({0: Load(ratio=2.0, saving_ms=26.0), 2: Load(ratio=1.5, saving_ms=2.0)}, 3, 1.13),  # the nearest
+    ({}, 3, None),
+])
+def test_the_saving_a_newcomer_is_weighed_against(loads, level, expected):
+    saving = DraftGate(CURVE, loads=loads).saving_at(level)
+    assert saving == (None if expected is None else pytest.approx(expected, abs=5e-3))
+
+
+def test_at_a_load_not_yet_measured_newcomers_weigh_their_catch_up_against_the_nearest_saving():
+    """8 running, never met: a request with 250 tokens to catch up (0.9 ms each) and 64 to emit does
+    not start drafting on 4-7 running's 2 ms a token (1.13 here: 72 ms saved against 225 of catch-up);
+    with 26 ms a token at 1 running the only verdict (x 11 / 70) it does."""
+    pool = [Candidate(i, 250, 64, False) for i in range(8)]
+    gate = DraftGate(CURVE, catch_up_ms=0.9, loads={2: Load(ratio=1.5, saving_ms=2.0, plain_scale=1.0)})
+    assert gate.choose(pool, 8) == frozenset()
+    gate = DraftGate(CURVE, catch_up_ms=0.9, loads={0: Load(ratio=2.0, saving_ms=26.0, plain_scale=1.0)})
+    assert len(gate.choose(pool, 8)) == 8
 
 
 def test_saving_per_token_worked_example():
@@ -86,8 +110,34 @@ def test_a_load_measures_its_plain_pass_once_a_verdict_is_close_and_then_every_s
 
 
 def test_drafting_pays_worked_example():
+    assert forgone(LOSES, CURVE) == pytest.approx(11.19, abs=0.01)
     assert drafting_pays(LOSES, CURVE) == pytest.approx(0.715, abs=1e-3)
     assert drafting_pays(PAYS, CURVE) > 1.0
+
+
+@pytest.mark.parametrize("samples, expected", [
+    ([(1, 0.5), (0, 1.5), (4, 1.0)], 5 / 3),  # the docstring's example: not the mean of 2, 0 and 4
+    ([(3, 2.0)], 1.5),
+    ([(2, -1.0), (1, 0.5)], float("inf")),  # the pass took less than its plain price: free tokens
+    ([(0, -1.0)], 0.0),
+    ([(0, 2.0), (0, 1.0)], 0.0),
+])
+def test_pooled_pays(samples, expected):
+    assert pooled_pays(samples) == pytest.approx(expected)
+
+
+def test_a_verdict_waits_for_enough_drafted_tokens():
+    """One request's iterations draft a few tokens each: the verdict pools them until MIN_DRAFTED
+    (at most MAX_SAMPLES iterations), so one unlucky iteration does not close the load."""
+    load = Load(plain_scale=1.0)
+    for sample in [(4, 0, 1.0), (4, 1, 1.0), (4, 3, 1.0)]:  # the first two alone would give 0.5
+        load.decide(sample, bound=False, most=8, max_wait=32)
+        assert load.ratio is None
+    load.decide((5, 2, 1.0), bound=False, most=8, max_wait=32)
+    assert load.ratio == pytest.approx(1.5) and load.samples == []
+    for _ in range(MAX_SAMPLES):  # nothing drafted: a verdict after MAX_SAMPLES iterations all the same
+        load.decide((0, 0, 0.5), bound=False, most=8, max_wait=32)
+    assert load.ratio == 0.0 and load.left == 1
 
 
 @given(st.integers(1, 32), st.integers(0, 64), st.floats(1.0, 500.0), st.floats(1.0, 500.0))
@@ -147,30 +197,27 @@ def test_paying_doubles_the_limit_up_to_the_batch_limit():
     assert limits == [4, 4, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8]
 
 
-def test_losing_halves_the_limit_then_sits_out_ever_longer():
+def test_losing_halves_the_limit_down_to_a_probe_then_sits_out_ever_longer():
     gate = measured_gate()
-    chosen = [len(step(gate, 8, LOSES)) for _ in range(22)]
-    # 4 draft (1 unmeasured + 2 measured), then 2 (2 measured), 1 (2 measured); then sit out 1,
-    # probe with 1 (1 unmeasured + 2 measured), sit out 2, probe, ...
-    assert chosen == [4, 4, 4, 2, 2, 1, 1, 0, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1]
-    assert gate.loads[bucket(8)].wait == 4
-
-
-def test_predicted_ratio_worked_example():
-    assert predicted_ratio(0.9, bucket(8), bucket(16), CURVE) == pytest.approx(0.62, abs=5e-3)
-    assert predicted_ratio(0.9, bucket(8), bucket(4), CURVE) == pytest.approx(1.59, abs=5e-3)
+    gate.loads[bucket(8)].limit = 8
+    chosen = [len(step(gate, 8, LOSES)) for _ in range(25)]
+    # 8 draft (1 unmeasured: 4 new, + 2 measured), then 4 of them (2 measured): the probe's size, so
+    # it sits out 1; then 4 probe (1 unmeasured: new after the sit-out, + 2 measured), sit out 2, ...
+    assert chosen == [8, 8, 8, 4, 4, 0, 4, 4, 4, 0, 0, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 0, 0, 0, 0]
+    assert gate.loads[bucket(8)].wait == 8
 
 
 def test_each_load_keeps_its_own_state_and_a_new_one_starts_from_the_nearest_verdict():
     gate = measured_gate()
     for _ in range(3):
-        step(gate, 8, LOSES)  # 4 draft; two steady samples of 0.72: halve to 2
-    assert gate.loads[bucket(8)].ratio == pytest.approx(0.62, abs=1e-3) and gate.limit == 2  # plain 88 ms
-    assert step(gate, 16, LOSES) == frozenset()  # first met: predicted 0.43, closed without a probe
+        step(gate, 8, LOSES)  # 4 draft; two steady samples of 0.72 at the probe's size: sit out
+    assert gate.loads[bucket(8)].ratio == pytest.approx(0.62, abs=1e-3) and gate.limit == 0  # plain 88 ms
+    assert step(gate, 16, LOSES) == frozenset()  # first met: 0.62 nearest, closed without a probe
     assert gate.loads[bucket(16)].wait == 8  # max_wait / 4
-    assert len(step(gate, 2, PAYS)) == 2  # predicted 2.05 at 2-3 running: fully open at once
-    assert gate.loads[bucket(2)].limit == 8
-    assert len(step(gate, 8, PAYS)) == 2  # back at 8 running: its own state (limit 2), not a prediction
+    assert len(step(gate, 2, PAYS)) == 0  # 2-3 running: the nearest verdict (8 running) is 0.62
+    gate.loads[bucket(4)] = Load(ratio=2.0, plain_scale=1.0)
+    assert len(step(gate, 1, PAYS)) == 1  # 1 running: 2-3 has no verdict yet, 4-7 (2.0) is nearest: open
+    assert gate.loads[bucket(1)].limit == 8
     fresh = measured_gate()
     assert len(step(fresh, 16, LOSES)) == 4  # no verdict anywhere: a probe of START_LIMIT
 
@@ -199,9 +246,9 @@ def gated_loop(models):
 @pytest.mark.parametrize("verdict", [0.0, float("inf")])
 def test_the_loop_drafts_as_many_as_the_gate_allows_and_stays_exact(models, monkeypatch, verdict):
     """Four requests, prefilled together (whole prompts), decode together to the end; the gate starts
-    at 2 drafters. Drafting never pays: at most 2 draft, then none while it sits out. It always
-    pays: all 4 draft and the limit grows to the batch limit."""
-    monkeypatch.setattr(draft_gate, "drafting_pays", lambda sample, cost, plain_scale=None: verdict)
+    at 2 drafters. Drafting never pays: 2 draft, then none while it sits out, but for probes. It
+    always pays: all 4 draft and the limit grows to the batch limit."""
+    monkeypatch.setattr(draft_gate, "pooled_pays", lambda samples: verdict)
     loop, seen = gated_loop(models), []
     loop.gate.loads = {bucket(4): Load(limit=2, plain_scale=1.0)}
     loop.observers.append(seen.append)
@@ -212,9 +259,9 @@ def test_the_loop_drafts_as_many_as_the_gate_allows_and_stays_exact(models, monk
     decoding = [s for s in seen if s.running == 4 and not s.prefilling]
     if verdict:
         assert max(s.drafts for s in decoding) == 4 and seen[-1].draft_limit == 8
-    else:  # the gate sat out: iterations of plain decoding while all four ran
-        assert max(s.drafts for s in seen) <= 2
-        assert min(s.drafts for s in decoding) == 0 and max(s.drafts for s in decoding[-6:]) <= 1
+    else:  # 2 draft until the first verdict, then the gate sits out, probing with START_LIMIT (all 4)
+        assert max(s.drafts for s in decoding[:4]) == 2 and {s.drafts for s in decoding} == {0, 4, 2}
+        assert decoding[-1].draft_limit == 0
 
 
 @pytest.mark.parametrize("ratio, drafters", [(None, 0), (0.9, 0), (1.2, 4)])
