@@ -31,7 +31,9 @@ then the least *lag* (committed tokens the SSMs lack: a request's whole context 
 draft). A request starts only if its SSMs' catch-up costs no more than drafting saves it over the
 tokens it may still emit, both measured (a load without a verdict takes the nearest paying load's
 saving, ``DraftGate.saving_at``); before they are, if its lag is at most ``JOIN_RATIO`` x those
-tokens (``joins``).
+tokens (``joins``). Where the load's verdict was that drafting does not pay, only requests that
+lack at most ``PROBE_LAG`` tokens draft (probes by requests that drafted lately): a load whose
+requests never drafted stays closed rather than pay their contexts' catch-up for a probe.
 
 It changes who drafts, never what a draft or a verdict is: greedy output stays the target's own.
 """
@@ -64,8 +66,13 @@ PREDICTION_MARGIN = 1.25  # a ratio this far from 1 (either way) is clear: acted
 STEADY_LAG = 4  # a drafter new this iteration that lacks at most this many tokens keeps it steady
 START_LIMIT = 4  # requests drafting before anything was measured, and in each probe
 SAMPLES = 2  # steady iterations pooled per verdict, at least ...
-MAX_SAMPLES = 8  # ... and at most, drafting MIN_DRAFTED tokens between them before MAX_SAMPLES
+MAX_SAMPLES = 8  # ... and at most; a verdict once they drafted MIN_DRAFTED tokens or cost MIN_FORGONE
 MIN_DRAFTED = 16
+MIN_FORGONE = 4.0  # plain tokens (``forgone``): drafting that keeps no node is judged in 2 iterations, not 8
+# At a load whose verdict was that drafting does not pay, only requests that lack at most this many
+# committed tokens probe: a probe by requests that never drafted pays their whole context's
+# catch-up (4 requests of 250 tokens at 0.9 ms: 0.9 s) to measure what the batch already showed.
+PROBE_LAG = 16
 
 
 @dataclass(frozen=True)
@@ -222,10 +229,12 @@ class Load:
 
     def decide(self, sample: tuple[int, int, float], bound: bool, most: int, max_wait: int) -> None:
         """One steady iteration's (drafted, accepted, ``forgone``) tokens; a verdict once the samples
-        so far hold ``MIN_DRAFTED`` drafted tokens (or number ``MAX_SAMPLES``), ``SAMPLES`` at least."""
+        so far hold ``MIN_DRAFTED`` drafted tokens, cost ``MIN_FORGONE`` plain tokens or number
+        ``MAX_SAMPLES``, ``SAMPLES`` at least."""
         self.samples.append(sample)
-        drafted = sum(d for d, _, _ in self.samples)
-        if len(self.samples) < SAMPLES or (drafted < MIN_DRAFTED and len(self.samples) < MAX_SAMPLES):
+        drafted, cost = sum(d for d, _, _ in self.samples), sum(f for _, _, f in self.samples)
+        enough = drafted >= MIN_DRAFTED or cost >= MIN_FORGONE or len(self.samples) >= MAX_SAMPLES
+        if len(self.samples) < SAMPLES or not enough:
             return
         self.ratio = pooled_pays([(a, f) for _, a, f in self.samples])
         self.samples = []
@@ -297,8 +306,12 @@ class DraftGate:
         if not clean and not load.pays:
             return frozenset()
         load.since_control += bool(candidates)
-        saving = self.saving_at(level)
-        ready = sorted((c for c in candidates if joins(c, self.catch_up_ms, saving)),
+        if load.pays is False:  # a probe, or a limit on its way down: little to catch up
+            admissible = [c for c in candidates if c.drafted_last or c.lag <= PROBE_LAG]
+        else:
+            saving = self.saving_at(level)
+            admissible = [c for c in candidates if joins(c, self.catch_up_ms, saving)]
+        ready = sorted(admissible,
                        key=lambda c: (not c.drafted_last, c.lag, c.request_id))
         return frozenset(c.request_id for c in ready[:load.limit])
 
@@ -330,8 +343,8 @@ class DraftGate:
     def saving_at(self, level: int) -> float | None:
         """ms drafting saves per emitted token at bucket ``level``, for ``joins``: the load's own where
         it pays; where it has no verdict yet, the nearest paying load's, scaled by the two loads' plain
-        ms per token (each bucket read at 2 ** bucket running); None for a probe of a load that did
-        not pay, or with nothing measured (``JOIN_RATIO`` decides). Without the scaling, a load of 8
+        ms per token (each bucket read at 2 ** bucket running); None where it did not pay (probes go by
+        ``PROBE_LAG``) or with nothing measured (``JOIN_RATIO`` decides). Without the scaling, a load of 8
         met after one of 4 let every new request catch its prompt up for a saving it did not have
         (default pair, 64-token requests: 586 tokens, 630 ms, in one iteration).
 

@@ -135,9 +135,13 @@ def test_a_verdict_waits_for_enough_drafted_tokens():
         assert load.ratio is None
     load.decide((5, 2, 1.0), bound=False, most=8, max_wait=32)
     assert load.ratio == pytest.approx(1.5) and load.samples == []
-    for _ in range(MAX_SAMPLES):  # nothing drafted: a verdict after MAX_SAMPLES iterations all the same
-        load.decide((0, 0, 0.5), bound=False, most=8, max_wait=32)
+    for _ in range(MAX_SAMPLES):  # nothing drafted, little spent: a verdict after MAX_SAMPLES all the same
+        load.decide((0, 0, 0.25), bound=False, most=8, max_wait=32)
     assert load.ratio == 0.0 and load.left == 1
+    load.left = 0
+    for _ in range(2):  # drafting that keeps no node at a dear load: judged as soon as it cost MIN_FORGONE
+        load.decide((0, 0, 2.0), bound=False, most=8, max_wait=32)
+    assert load.ratio == 0.0 and load.left == 2
 
 
 @given(st.integers(1, 32), st.integers(0, 64), st.floats(1.0, 500.0), st.floats(1.0, 500.0))
@@ -202,8 +206,9 @@ def test_losing_halves_the_limit_down_to_a_probe_then_sits_out_ever_longer():
     gate.loads[bucket(8)].limit = 8
     chosen = [len(step(gate, 8, LOSES)) for _ in range(25)]
     # 8 draft (1 unmeasured: 4 new, + 2 measured), then 4 of them (2 measured): the probe's size, so
-    # it sits out 1; then 4 probe (1 unmeasured: new after the sit-out, + 2 measured), sit out 2, ...
-    assert chosen == [8, 8, 8, 4, 4, 0, 4, 4, 4, 0, 0, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 0, 0, 0, 0]
+    # it sits out 1; then a probe (1 unmeasured: new after the sit-out, + 2 measured) by the one
+    # request with at most PROBE_LAG tokens to catch up (lag 10; the others lack 20-80), sit out 2, ...
+    assert chosen == [8, 8, 8, 4, 4, 0, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0]
     assert gate.loads[bucket(8)].wait == 8
 
 
@@ -259,18 +264,20 @@ def test_the_loop_drafts_as_many_as_the_gate_allows_and_stays_exact(models, monk
     decoding = [s for s in seen if s.running == 4 and not s.prefilling]
     if verdict:
         assert max(s.drafts for s in decoding) == 4 and seen[-1].draft_limit == 8
-    else:  # 2 draft until the first verdict, then the gate sits out, probing with START_LIMIT (all 4)
-        assert max(s.drafts for s in decoding[:4]) == 2 and {s.drafts for s in decoding} == {0, 4, 2}
+    else:  # 2 draft until the first verdict, then the gate sits out, probing with those that lag little
+        assert max(s.drafts for s in decoding[:4]) == 2 and 0 in {s.drafts for s in decoding[4:]}
         assert decoding[-1].draft_limit == 0
 
 
-@pytest.mark.parametrize("ratio, drafters", [(None, 0), (0.9, 0), (1.2, 4)])
-def test_a_pass_with_prompt_chunks_drafts_only_where_drafting_pays(ratio, drafters):
-    """A probe in a pass busy with prompts could not be measured: only a paying load drafts there."""
+@pytest.mark.parametrize("ratio, drafters, clean", [(None, 0, 4), (0.9, 0, 1), (1.2, 4, 4)])
+def test_a_pass_with_prompt_chunks_drafts_only_where_drafting_pays(ratio, drafters, clean):
+    """A probe in a pass busy with prompts could not be measured: only a paying load drafts there. In
+    a clean pass a load that did not pay probes with the requests that lag at most PROBE_LAG (lag 10
+    of 10-80)."""
     gate = measured_gate()
     gate.loads[bucket(8)].ratio = ratio
     assert len(gate.choose(candidates(8), 8, clean=False)) == drafters
-    assert len(gate.choose(candidates(8), 8)) == 4
+    assert len(gate.choose(candidates(8), 8)) == clean
 
 
 def test_a_pass_with_prompt_chunks_gives_no_verdict():
