@@ -32,8 +32,9 @@ draft). A request starts only if its SSMs' catch-up costs no more than drafting 
 tokens it may still emit, both measured (a load without a verdict takes the nearest paying load's
 saving, ``DraftGate.saving_at``); before they are, if its lag is at most ``JOIN_RATIO`` x those
 tokens (``joins``). Where the load's verdict was that drafting does not pay, only requests that
-lack at most ``PROBE_LAG`` tokens draft (probes by requests that drafted lately): a load whose
-requests never drafted stays closed rather than pay their contexts' catch-up for a probe.
+lack at most ``PROBE_LAG`` tokens draft (probes by requests that drafted lately), or those whose
+catch-up the load's saving when it last paid would repay (``DraftGate.probes``): a load whose
+requests never drafted and never paid stays closed rather than pay their contexts' catch-up.
 
 It changes who drafts, never what a draft or a verdict is: greedy output stays the target's own.
 """
@@ -306,8 +307,8 @@ class DraftGate:
         if not clean and not load.pays:
             return frozenset()
         load.since_control += bool(candidates)
-        if load.pays is False:  # a probe, or a limit on its way down: little to catch up
-            admissible = [c for c in candidates if c.drafted_last or c.lag <= PROBE_LAG]
+        if load.pays is False:  # a probe, or a limit on its way down
+            admissible = [c for c in candidates if self.probes(c, load)]
         else:
             saving = self.saving_at(level)
             admissible = [c for c in candidates if joins(c, self.catch_up_ms, saving)]
@@ -339,6 +340,17 @@ class DraftGate:
         elif sample.catch_up and load.draft_ms is not None:
             extra = max(0.0, sample.draft_ms - load.draft_ms * len(drafters))
             self.catch_up_ms = moving_average(self.catch_up_ms, extra / sample.catch_up, FADE)
+
+    def probes(self, candidate: Candidate, load: Load) -> bool:
+        """Whether ``candidate`` may draft at ``load``, whose verdict was that drafting does not pay:
+        it lacks at most ``PROBE_LAG`` tokens (or drafted last iteration), or its catch-up costs no
+        more than the load's saving when it last paid would save it (``Load.saving_ms``, faded
+        towards 0 by the losing samples since). The latter lets a lone new request probe at 1
+        running (26 ms saved a token) and keeps new requests from probing at 8 (under 1 ms)."""
+        if candidate.drafted_last or candidate.lag <= PROBE_LAG:
+            return True
+        return bool(load.saving_ms) and self.catch_up_ms is not None and joins(candidate, self.catch_up_ms,
+                                                                                 load.saving_ms)
 
     def saving_at(self, level: int) -> float | None:
         """ms drafting saves per emitted token at bucket ``level``, for ``joins``: the load's own where

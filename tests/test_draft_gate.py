@@ -269,6 +269,19 @@ def test_the_loop_drafts_as_many_as_the_gate_allows_and_stays_exact(models, monk
         assert decoding[-1].draft_limit == 0
 
 
+@pytest.mark.parametrize("saving_ms, catch_up_ms, expected", [
+    (None, 0.9, {7}),  # never paid: only the request that lags 10 (<= PROBE_LAG) probes
+    (0.0, 0.9, {7}),
+    (0.3, 0.9, {6, 7}),  # 64 x 0.3 = 19.2 ms saved repays lag 20 (18 ms), not 30 (27 ms)
+    (26.0, 0.9, {4, 5, 6, 7}),  # a lone request's saving at 1 running repays any of them: the least lag
+    (26.0, None, {7}),  # no catch-up measured yet
+])
+def test_who_probes_a_load_that_did_not_pay(saving_ms, catch_up_ms, expected):
+    gate = DraftGate(CURVE, catch_up_ms=catch_up_ms, loads={bucket(8): Load(ratio=0.9, saving_ms=saving_ms,
+                                                                             plain_scale=1.0)})
+    assert gate.choose(candidates(8), 8) == frozenset(expected)
+
+
 @pytest.mark.parametrize("ratio, drafters, clean", [(None, 0, 4), (0.9, 0, 1), (1.2, 4, 4)])
 def test_a_pass_with_prompt_chunks_drafts_only_where_drafting_pays(ratio, drafters, clean):
     """A probe in a pass busy with prompts could not be measured: only a paying load drafts there. In
