@@ -80,6 +80,8 @@ class SSMActor(HoldsRequests):
         self._dropper = make_dropper(self._forget)
         self.store: RequestStore[DraftState] = RequestStore(config.server.request_ttl_s, on_drop=self._on_drop)
         self.drafter, self.vocabulary = self._drafter(config, loaded)
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.context_tokens = model_config.context_tokens
         self._stop_sweeper = start_sweeper(self.store, sweep_interval(config.server.request_ttl_s))
         self.timings: deque[DraftTiming] = deque(maxlen=4096)
         self.pool = ThreadPoolExecutor(config.server.max_concurrent_requests, thread_name_prefix="prefetch")

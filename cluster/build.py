@@ -93,6 +93,7 @@ def build_engine(config: EngineConfig, batched: bool = False) -> SpeculativeEngi
             continue
         check_same_vocabulary(target, ssm)
         drafters.append(_drafter(config, ssm.model, index, ssm_config.name, graphs, batched))
+        drafters[-1].context_tokens = ssm_config.context_tokens
     if config.suffix:
         drafters.append(SuffixDrafter(len(drafters), config.suffix))
     curve = None

@@ -227,6 +227,7 @@ class ModelDrafter:
     own_stream = True  # on CUDA, drafting may run on a stream of its own (on_own_stream)
     clock = staticmethod(time.perf_counter)  # seconds; cost-aware shapes time the draft and its forwards with it
     keeps_levels = True  # a draft puts its expanded nodes' entries aside for the next (DraftedLevels)
+    context_tokens: int | None = None  # on the engine loop: the most committed tokens its first draft takes in
 
     def __init__(self, model, proposer: int, name: str):
         self.model = model

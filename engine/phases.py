@@ -119,11 +119,19 @@ class TargetSide:
 class DraftSide:
     """Requests' proposer states (keyed by any id) and the draft phase: every job's neural drafts as
     programs in rounds together (one packed forward per SSM per tree level), the model-free ones
-    beside them. ``drafters``: proposer index -> drafter (a served SSM actor holds one)."""
+    beside them. ``drafters``: proposer index -> drafter (a served SSM actor holds one).
+
+    An SSM that starts drafting for a request first feeds it the context it lacks (0.9 ms a token
+    for the default int8 SSM). A drafter with ``context_tokens`` (``ssms[].context_tokens``) reads
+    the request as if it began that many tokens before its first draft (its positions from 0) and
+    keeps every token after. Drafts are proposals, so output stays the target's own; only how often
+    they are accepted can move.
+    """
 
     def __init__(self, drafters: dict[int, object]):
         self.drafters = drafters
         self.states: dict = {}
+        self.starts: dict = {}  # (request, proposer) -> the first committed token its SSM holds
 
     def draft(self, jobs: Sequence[DraftJob]) -> dict:
         """Per job: proposer -> its Drafted or error, for the job's assignments this side holds."""
@@ -137,7 +145,8 @@ class DraftSide:
                     committed, state = list(job.committed), self._state(job.request_id, assignment.proposer)
                     generator = assignment.generator(len(committed))
                     if isinstance(drafter, ModelDrafter):
-                        program = drafter.draft_program(state, committed, assignment.spec, generator)
+                        seen = committed[self._start(job.request_id, drafter, len(committed)):]
+                        program = drafter.draft_program(state, seen, assignment.spec, generator)
                         programs.append((job.request_id, assignment.proposer, start(program)))
                     else:
                         drafts[job.request_id][assignment.proposer] = draft_with(drafter, state, committed,
@@ -149,7 +158,20 @@ class DraftSide:
 
     def release(self, request_id) -> None:
         for proposer, state in self.states.pop(request_id, {}).items():
+            self.starts.pop((request_id, proposer), None)
             self.drafters[proposer].release(state)
+
+    def _start(self, request_id, drafter: ModelDrafter, committed: int) -> int:
+        """Where the drafter's view of the request begins: fixed at its first draft, ``context_tokens``
+        before the end of the ``committed`` tokens then (0 without a window).
+
+        Example: a window of 64, a 200-token prompt and its first token (201 committed) -> 137: the SSM
+        takes in 64 tokens; 30 tokens later it sees committed[137:231], 94 tokens."""
+        key = (request_id, drafter.proposer)
+        if key not in self.starts:
+            window = drafter.context_tokens
+            self.starts[key] = max(0, committed - window) if window else 0
+        return self.starts[key]
 
     def _state(self, request_id, proposer: int):
         states = self.states.setdefault(request_id, {})

@@ -56,6 +56,11 @@ class ModelConfig(Strict):
         default=False, description="SSM only: its tokenizer differs from the target's (another model family); it "
                                    "drafts through text, its tokens decoded and re-encoded into the target's "
                                    "vocabulary, each proposed token a point mass (engine.cross_vocab)")
+    context_tokens: int | None = Field(
+        default=None, ge=1, description="SSM only: the most committed tokens it takes in at a request's first "
+                                        "draft on the engine loop (None: the whole context); it reads the request "
+                                        "from there on, so starting to draft costs at most this many tokens' "
+                                        "forward (engine.phases.DraftSide)")
 
 
 class SuffixConfig(Strict):
@@ -295,6 +300,13 @@ class EngineConfig(Strict):
         if self.target.cross_vocabulary:
             raise ValueError("target.cross_vocabulary: only an SSM drafts through text; the target's tokenizer is "
                              "the one every proposal is re-encoded into")
+        if self.target.context_tokens is not None:
+            raise ValueError("target.context_tokens: only an SSM's view of a request can be cut; the target "
+                             "verifies against the whole context")
+        for ssm in self.ssms:
+            if ssm.context_tokens is not None and ssm.cross_vocabulary:
+                raise ValueError(f"ssms[{ssm.name}].context_tokens applies to an SSM of the target's vocabulary; "
+                                 "a cross-vocabulary SSM re-reads the text")
         return self
 
     def _offload_fits(self) -> None:

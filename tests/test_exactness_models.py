@@ -117,3 +117,33 @@ def test_default_qwen_pair_fp32(qwen_models_dir, cpu_linears):
     result = engine.generate(GenerationRequest(tuple(prompt), 32, speculation=SpeculationOptions(expansion=(2, 2, 1, 1))))
     assert list(result.token_ids) == greedy_to_eos(engine.target.model, prompt, 32, engine.eos_ids)
     assert result.stats.tokens_per_step > 1.5
+
+
+def test_smollm2_served_loop_with_a_windowed_ssm_stays_exact(smollm2_dir, smol_expected):
+    """``ssms[].context_tokens`` from the config reaches the loop's drafter: the SSM (SmolLM2 itself)
+    reads 16 tokens of the prompt at its first draft, drafts still get accepted, and the output is the
+    target's own greedy continuation."""
+    config = EngineConfig.model_validate({
+        "models_dir": str(smollm2_dir.parent), "dtype": "float32", "torch_threads": 2,
+        "target": {"name": "smollm2", "source": "smollm2-135m-instruct"},
+        "ssms": [{"name": "ssm", "source": "smollm2-135m-instruct", "context_tokens": 16}],
+        "suffix": None, "speculation": {"policy": "schedule"},
+    })
+    engine = build_engine(config, batched=True)
+    assert engine.drafters[0].context_tokens == 16
+    prompt = engine.tokenizer.encode(SMOL_PROMPT)
+    assert len(prompt) > 16
+    result = engine.generate(GenerationRequest(tuple(prompt), 48, speculation=SpeculationOptions(expansion=(2, 2, 1))))
+    assert list(result.token_ids) == smol_expected
+    assert result.stats.tokens_per_step > 1.5
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"target": {"name": "t", "source": "x", "context_tokens": 64}}, "target.context_tokens"),
+    ({"ssms": [{"name": "s", "source": "x", "context_tokens": 64, "cross_vocabulary": True}]}, "cross-vocabulary"),
+    ({"ssms": [{"name": "s", "source": "x", "context_tokens": 0}]}, "greater than or equal to 1"),
+])
+def test_context_tokens_is_checked(change, message):
+    args = {"target": {"name": "t", "source": "x"}, "ssms": [{"name": "s", "source": "x"}], **change}
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.model_validate(args)

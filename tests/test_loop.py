@@ -12,11 +12,12 @@ from engine.draft import ModelDrafter
 from engine.generate import SpeculativeEngine
 from engine.kv_pool import PoolExhausted
 from engine.phases import local_loop
-from engine.loop import EngineLoop, LoopLimits, LoopRequest, QueueFull, prefill_order
+from engine.loop import DraftJob, EngineLoop, LoopLimits, LoopRequest, QueueFull, prefill_order
 from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 from engine.programs import Forward, alone, run_alone, run_round, run_rounds, start
 from engine.requests import GenerationRequest, SpeculationOptions
 from engine.sampling import SamplingParams
+from engine.step import plan_proposers
 from engine.target import TargetModel
 from tests.tiny_models import IdTokenizer, reference_greedy, tiny_model
 
@@ -498,3 +499,48 @@ def test_run_levels_alternates_the_methods_within_each_round(monkeypatch):
     assert calls == [(s, m) for s in (1, 4) for _ in range(2) for m in ("incremental", "tree")]
     assert [(f["streams"], f["method"], f["repeats"]) for f in figures] == [
         (1, "incremental", 2), (1, "tree", 2), (4, "incremental", 2), (4, "tree", 2)]
+
+
+# -- An SSM's view of a request (ssms[].context_tokens). ---------------------------------------
+
+
+def windowed_loop(models, window: int | None) -> EngineLoop:
+    loop = paged_loop(models)
+    loop.executor.drafters[0].context_tokens = window
+    return loop
+
+
+@pytest.mark.parametrize("window", [None, 1, 4, 40])
+def test_a_windowed_ssm_keeps_the_output_the_targets_own(models, window):
+    """fp32 greedy output through the loop equals the target's own greedy decoding whatever the SSM
+    reads of each request; with a window its state holds the window and the tokens after it."""
+    loop = windowed_loop(models, window)
+    prompts = [list(range(3, 33)), [5, 9, 2, 7] * 5, list(range(60, 66))]
+    ids = [loop.submit(GenerationRequest(p, 12, speculation=TREE)) for p in prompts]
+    drafter, side = loop.executor.drafters[0], loop.executor.draft_side
+    for _ in range(4):  # past the prompts and the first drafts
+        loop.step()
+    for request_id, prompt in zip(ids, prompts):
+        held = side.states[request_id][0].length  # the SSM's committed tokens (its levels rolled back)
+        committed = len(loop.requests[request_id].session.committed)
+        start = side.starts[(request_id, 0)]
+        assert start == (0 if window is None else max(0, len(prompt) + 1 - window))
+        assert held in (committed - start, committed - start - 1)  # the root may be fed at the next draft
+    outputs = drain(loop, ids, {i: [] for i in ids})
+    assert [outputs[i] for i in ids] == [reference_greedy(models[0], p, 12) for p in prompts]
+    assert not side.starts and pools_whole(loop)
+
+
+def test_a_windowed_first_draft_is_the_draft_of_the_windows_tokens_alone(models):
+    """The SSM's first draft over a window of the context is the draft it makes over those tokens as a
+    whole request: the window changes what it reads, nothing else."""
+    committed = list(range(3, 40))
+    assignments = plan_proposers(("ssm", "suffix"), (True, False), SpeculationOptions(expansion=(2, 2, 1),
+                                                                                        proposers=("ssm",)))
+    job = lambda request_id, tokens: DraftJob(request_id, tuple(tokens), assignments)
+    windowed, whole = windowed_loop(models, 8).executor.draft_side, windowed_loop(models, None).executor.draft_side
+    drafted = windowed.draft([job(0, committed)])[0][0].proposal
+    alone = whole.draft([job(0, committed[-8:])])[0][0].proposal
+    assert drafted.tree.tokens.tolist() == alone.tree.tokens.tolist()
+    assert drafted.tree.parents.tolist() == alone.tree.parents.tolist()
+    assert len(drafted.tree.tokens) > 1  # it did draft
