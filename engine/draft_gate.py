@@ -356,9 +356,10 @@ class DraftGate:
         """ms drafting saves per emitted token at bucket ``level``, for ``joins``: the load's own where
         it pays; where it has no verdict yet, the nearest paying load's, scaled by the two loads' plain
         ms per token (each bucket read at 2 ** bucket running); None where it did not pay (probes go by
-        ``PROBE_LAG``) or with nothing measured (``JOIN_RATIO`` decides). Without the scaling, a load of 8
-        met after one of 4 let every new request catch its prompt up for a saving it did not have
-        (default pair, 64-token requests: 586 tokens, 630 ms, in one iteration).
+        ``PROBE_LAG``) or with nothing measured (``JOIN_RATIO`` decides). When a load without a
+        verdict went by ``JOIN_RATIO``, a load of 8 met after one of 4 let every new request catch its
+        prompt up for a saving it did not have (default pair, 64-token requests: 586 tokens, 630 ms,
+        in one iteration).
 
         Example: curve ((1, 70), (8, 88), (32, 190)), 4-7 running paying with 2.0 ms saved a token
         -> at 8-15 running 2.0 x (88 / 8) / (77.7 / 4) = 1.13 ms."""
