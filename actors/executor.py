@@ -55,6 +55,7 @@ class ActorExecutor:
         self.requests: dict[int, RemoteRequest] = {}
         self._kv_blocks: tuple[int, int] | None = None
         self._draft_wait_ms = 0.0
+        self._released: list[str] = []  # released since the last verify call: the verifier drops them first
 
     def admit(self, request_id: int, request: GenerationRequest, reserve_tokens: int) -> bool:
         if self.capacity is not None:
@@ -105,15 +106,15 @@ class ActorExecutor:
         self._draft_wait_ms = 0.0
         if not self.liveness.usable(VERIFIER):
             return self._all_failed(trees + chunks)
-        began = time.perf_counter()
+        began, released, self._released = time.perf_counter(), tuple(self._released), []
         try:
-            reply = await self.group.verifier.step_batch.remote(drafted, tree_jobs, prefills)
+            reply = await self.group.verifier.step_batch.remote(drafted, tree_jobs, prefills, released)
         except RayActorError as error:
             role = self._failed_role(error)
             if role in (None, VERIFIER):
                 return self._all_failed(trees + chunks)
             self._resync_all()  # a drafting actor failed: this step plain decoding for all
-            reply = await self.group.verifier.step_batch.remote(None, tree_jobs, prefills)
+            reply = await self.group.verifier.step_batch.remote(None, tree_jobs, prefills, released)
         # the call's wall time beyond the verifier's own: its wait for the SSMs and the merge actor
         self._draft_wait_ms = (time.perf_counter() - began) * 1e3 - reply.call_ms
         keys = {self.requests[i].key: i for i in trees + chunks}
@@ -149,8 +150,14 @@ class ActorExecutor:
             remote.sent.clear()
 
     def release(self, request_id: int) -> None:
+        """Drop the request's states: everywhere by the group's detached releases, and at the verifier
+        also by the next verify call, ahead of its admissions. A detached release can reach the
+        verifier after the call that admits the request the freed blocks were counted for (``admit``
+        counts them free at once): that request then failed with RESOURCE_EXHAUSTED instead of
+        running (tests/test_served_loop.py, a pool that holds one of two requests)."""
         remote = self.requests.pop(request_id, None)
         if remote is not None:
+            self._released.append(remote.key)
             self.group.release(remote.key)
 
     def kv_blocks(self) -> tuple[int, int] | None:

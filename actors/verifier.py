@@ -104,13 +104,18 @@ class VerifierActor(HoldsRequests):
         return self.info
 
     @on_compute_thread
-    def step_batch(self, merged: dict | None, trees: list[TreeJob], prefills: list[PrefillJob]) -> StepReply:
+    def step_batch(self, merged: dict | None, trees: list[TreeJob], prefills: list[PrefillJob],
+                   released: tuple[str, ...] = ()) -> StepReply:
         """The engine loop's verify phase: one target pass over every tree and each prompt's next
         chunk (``engine.phases.TargetSide``). ``merged``: the merge actor's trees by request (None:
         none drafted); a request without one (its draft failed, an SSM or the merge actor is down)
-        is verified as its root alone, plain decoding, which is lossless."""
+        is verified as its root alone, plain decoding, which is lossless. ``released``: requests the
+        loop let go since its last call, dropped before any admission (``ActorExecutor.release``)."""
         results, resync, trees_by_id, began = {}, [], {}, time.perf_counter()
         with self.loop_lock:
+            for request_id in released:  # the loop let them go: their blocks count free for this call's admissions
+                self.loop_side.release(request_id)
+                self.loop_histories.pop(request_id, None)
             for job in prefills:
                 if job.first and not self._admit(job, results):
                     continue

@@ -150,3 +150,58 @@ def test_a_request_the_pool_cannot_hold_beside_another_waits_for_its_blocks(loop
     after = ray.get(verifier.loop_counters.remote())
     assert after.items - before.items == after.forwards - before.forwards > 0, (before, after)
     assert wait_until(lambda: not any(held(handle).values()), timeout_s=60), held(handle)
+
+
+class _Verifier:
+    """A verifier's step_batch as the executor awaits it: records each call's ``released``."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    @property
+    def step_batch(self):
+        return self
+
+    def remote(self, merged, trees, prefills, released):
+        self.calls.append(released)
+
+        async def reply():
+            from actors.loop_calls import StepReply
+            return StepReply({}, (), (0, 8))
+        return reply()
+
+
+class _Group:
+    names, neural = ("ssm",), (True,)
+
+    def __init__(self):
+        self.verifier, self.detached = _Verifier(), []
+
+    def release(self, key: str) -> None:
+        self.detached.append(key)
+
+
+class _Live:
+    @staticmethod
+    def usable(role: str) -> bool:
+        return True
+
+
+def test_a_released_request_rides_with_the_next_verify_call_ahead_of_admissions():
+    """The executor counts a released request's blocks free at once, so the verifier must drop it
+    before admitting another: its release goes in the next step_batch call (the detached release may
+    arrive later), once."""
+    from actors.executor import ActorExecutor
+    from engine.requests import GenerationRequest
+    from engine.step import run_sync
+
+    group = _Group()
+    executor = ActorExecutor(group, _Live(), capacity_tokens=128, block_size=16)
+    assert executor.admit(0, GenerationRequest((1, 2, 3), 4), 100)
+    assert not executor.admit(1, GenerationRequest((4, 5, 6), 4), 100)  # 7 + 7 blocks > 8: it waits
+    key = executor.requests[0].key
+    executor.release(0)
+    assert executor.admit(1, GenerationRequest((4, 5, 6), 4), 100)
+    run_sync(executor.verify(None, [], [1]))
+    run_sync(executor.verify(None, [], []))
+    assert group.verifier.calls == [(key,), ()] and group.detached == [key]
