@@ -74,6 +74,10 @@ MIN_FORGONE = 4.0  # plain tokens (``forgone``): drafting that keeps no node is 
 # committed tokens probe: a probe by requests that never drafted pays their whole context's
 # catch-up (4 requests of 250 tokens at 0.9 ms: 0.9 s) to measure what the batch already showed.
 PROBE_LAG = 16
+# A catch-up is priced (``DraftGate.catch_up_ms``) only from iterations whose new drafters fed at
+# least this many tokens: below it a deep tree's extra levels look like catch-up (a 5-token catch-up
+# beside a 108 ms draft read 17 ms a token, and a lone new request then never joined).
+MIN_CATCH_UP = 16
 
 
 @dataclass(frozen=True)
@@ -319,8 +323,8 @@ class DraftGate:
     def observe(self, drafters: frozenset[int], sample: Sample) -> None:
         """After the iteration: ``drafters`` drafted; a steady iteration's ``sample`` is measured where
         no prompt chunk was in the pass (a pass busy with prompts makes any extra token look cheap),
-        and one whose new drafters caught up gives the catch-up's ms per token (its draft ms beyond a
-        steady iteration's per drafter)."""
+        and one whose new drafters caught up ``MIN_CATCH_UP`` tokens or more gives the catch-up's ms
+        per token (its draft ms beyond a steady iteration's per drafter)."""
         steady = bool(drafters) and sample.catch_up <= STEADY_LAG * len(drafters - self.drafters)
         self.drafters, load = drafters, self._load
         if load is None:
@@ -337,7 +341,7 @@ class DraftGate:
             load.saving_ms = moving_average(load.saving_ms, saving, FADE)
             load.decide((sample.drafted, sample.accepted, forgone(sample, self.cost, scale)),
                         len(drafters) >= load.limit, self.most, self.max_wait)
-        elif sample.catch_up and load.draft_ms is not None:
+        elif sample.catch_up >= MIN_CATCH_UP and load.draft_ms is not None:
             extra = max(0.0, sample.draft_ms - load.draft_ms * len(drafters))
             self.catch_up_ms = moving_average(self.catch_up_ms, extra / sample.catch_up, FADE)
 

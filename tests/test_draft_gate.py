@@ -86,6 +86,8 @@ def test_a_catch_up_is_priced_against_the_steady_draft_cost():
     assert gate.loads[bucket(8)].draft_ms == 5.0
     gate.observe(frozenset(range(6)), Sample(8, 16, 16, 0, 130.0, 160.0, catch_up=200))  # 2 new: 100 each
     assert gate.catch_up_ms == pytest.approx((130.0 - 6 * 5.0) / 200)  # 0.5 ms a token
+    gate.observe(frozenset(range(7)), Sample(8, 16, 16, 0, 120.0, 160.0, catch_up=5))  # a deep tree, not 5 tokens
+    assert gate.catch_up_ms == pytest.approx(0.5)  # below MIN_CATCH_UP: not priced
 
 
 def test_a_load_measures_its_plain_pass_once_a_verdict_is_close_and_then_every_so_often():
