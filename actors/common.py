@@ -194,9 +194,13 @@ class HoldsRequests:
 
     def release(self, request_id: str) -> bool:
         with self.loop_lock:
-            self.loop_side.release(request_id)
-            self.loop_histories.pop(request_id, None)
+            self.drop_loop_state(request_id)
         return self.store.release(request_id)
+
+    def drop_loop_state(self, request_id: str) -> None:
+        """The request's engine-loop state here (its side's states, its history). Under ``loop_lock``."""
+        self.loop_side.release(request_id)
+        self.loop_histories.pop(request_id, None)
 
     def sweep(self, max_idle_s: float | None = None) -> list[str]:
         return self.store.sweep(max_idle_s)

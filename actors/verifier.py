@@ -114,8 +114,7 @@ class VerifierActor(HoldsRequests):
         results, resync, trees_by_id, began = {}, [], {}, time.perf_counter()
         with self.loop_lock:
             for request_id in released:  # the loop let them go: their blocks count free for this call's admissions
-                self.loop_side.release(request_id)
-                self.loop_histories.pop(request_id, None)
+                self.drop_loop_state(request_id)
             for job in prefills:
                 if job.first and not self._admit(job, results):
                     continue

@@ -142,14 +142,14 @@ class DraftSide:
                     drafter = self.drafters.get(assignment.proposer)
                     if drafter is None:
                         continue
-                    committed, state = list(job.committed), self._state(job.request_id, assignment.proposer)
-                    generator = assignment.generator(len(committed))
+                    state, generator = self._state(job.request_id, assignment.proposer), assignment.generator(
+                        len(job.committed))
                     if isinstance(drafter, ModelDrafter):
-                        seen = committed[self._start(job.request_id, drafter, len(committed)):]
+                        seen = list(job.committed[self._start(job.request_id, drafter, len(job.committed)):])
                         program = drafter.draft_program(state, seen, assignment.spec, generator)
                         programs.append((job.request_id, assignment.proposer, start(program)))
                     else:
-                        drafts[job.request_id][assignment.proposer] = draft_with(drafter, state, committed,
+                        drafts[job.request_id][assignment.proposer] = draft_with(drafter, state, list(job.committed),
                                                                                 assignment.spec, generator)
             run_rounds([running for _, _, running in programs])
         for request_id, proposer, running in programs:
