@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ActorGroup:
-    """Handles to one replica's actors. ``names``: proposers in engine order (SSMs, then suffix)."""
+    """Handles to one replica's actors. ``names``: proposers in engine order (SSMs, then suffix);
+    ``windows``: each one's ``context_tokens`` (``engine.loop.Executor.windows``)."""
 
     names: tuple[str, ...]
     neural: tuple[bool, ...]
@@ -28,6 +29,7 @@ class ActorGroup:
     merge: object  # ActorHandle
     verifier: object  # ActorHandle
     placement: Placement = NO_PLACEMENT  # the reservation they run in (removed with them)
+    windows: tuple[int | None, ...] = ()
 
     def everyone(self) -> list:
         return [*self.ssms, self.merge, self.verifier]
@@ -94,7 +96,7 @@ def launch(config: EngineConfig, prefix: str, namespace: str | None = None,
     merge = ray.remote(MergeActor).options(**options(server.merge_actor, "merge")).remote(
         config.suffix, len(config.ssms), server.merge_actor.torch_threads, server.request_ttl_s)
     return ActorGroup(tuple(config.proposer_names()), tuple(config.proposer_neural()), ssms, merge, verifier,
-                      placement)
+                      placement, tuple(config.proposer_windows()))
 
 
 async def start(config: EngineConfig, prefix: str, namespace: str | None = None) -> tuple[ActorGroup, TargetInfo]:

@@ -18,21 +18,22 @@ drafting's ms would have bought) once they hold ``MIN_DRAFTED`` drafted tokens (
 ``SAMPLES`` of them, at most ``MAX_SAMPLES``): one request's iteration drafts 0-10 tokens, too few
 for a verdict of its own. Paying doubles the limit (where it bound); not paying halves it while it is
 above ``START_LIMIT``, else the gate sits out 1, 2, 4, ... iterations (at most ``max_wait``), then
-``START_LIMIT`` requests draft again. The floor is there because an SSM's packed forward costs
+``START_LIMIT`` requests draft again; only a clear verdict (``PREDICTION_MARGIN``) that it pays starts
+the sit-outs over from 1. The floor is there because an SSM's packed forward costs
 about as much for one tree as for four: a probe by one request of four weighs a whole forward
 against one request's tokens (measured on the default pair at 4 running: one drafter 0.39-0.82,
 all four drafting above incremental), so the probe is the batch, not one request of it. The gate
-keeps this state per load (a power-of-two bucket of the running count, ``Load``), so a server that
+keeps this state per load (the running count's nearest power of two, ``bucket``, ``Load``), so a server that
 returns to a load it knows resumes what it found there, and a load it has not measured starts from
 the nearest one's verdict (``Load.open_like``).
 
 Who drafts when not all may: those that drafted in the iteration before (nothing to catch up),
-then the least *lag* (committed tokens the SSMs lack: a request's whole context before its first
-draft). A request starts only if its SSMs' catch-up costs no more than drafting saves it over the
-tokens it may still emit, both measured (a load without a verdict takes the nearest paying load's
-saving, ``DraftGate.saving_at``); before they are, if its lag is at most ``JOIN_RATIO`` x those
-tokens (``joins``). Where the load's verdict was that drafting does not pay, only requests that
-lack at most ``PROBE_LAG`` tokens draft (probes by requests that drafted lately), or those whose
+then the least *lag* (committed tokens the SSMs lack: before a request's first draft, its context
+or as much of it as the SSMs' window takes in, ``ssms[].context_tokens``). A request starts only if
+its SSMs' catch-up costs no more than drafting saves it over the tokens it may still emit, both
+measured (a load without a verdict takes the nearest paying load's saving, ``DraftGate.saving_at``);
+before they are, if its lag is at most ``JOIN_RATIO`` x those tokens (``joins``). Where the
+load's verdict was that drafting does not pay, only requests that lack at most ``PROBE_LAG`` tokens draft (probes by requests that drafted lately), or those whose
 catch-up the load's saving when it last paid would repay (``DraftGate.probes``): a load whose
 requests never drafted and never paid stays closed rather than pay their contexts' catch-up.
 
@@ -41,6 +42,7 @@ It changes who drafts, never what a draft or a verdict is: greedy output stays t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -85,7 +87,7 @@ class Candidate:
     """A decoding request whose plan this iteration has cost-aware proposers."""
 
     request_id: int
-    lag: int  # committed tokens its SSMs lack (its whole context before its first draft)
+    lag: int  # committed tokens its SSMs lack (before its first draft: its context, or their window of it)
     remaining: int  # tokens it may still emit (max_new_tokens less those emitted)
     drafted_last: bool  # it drafted in the iteration before
 
@@ -187,8 +189,10 @@ def pooled_pays(samples: Sequence[tuple[int, float]]) -> float:
 
 
 def bucket(running: int) -> int:
-    """The power-of-two bucket of a running count: 1 -> 0, 2-3 -> 1, 4-7 -> 2, 32 -> 5."""
-    return max(running, 1).bit_length() - 1
+    """The load a running count belongs to: its nearest power of two (in log scale), so that 7 running,
+    a request of 8 having finished, is the load of 8, not of 4. 1 -> 0, 2 -> 1, 3-5 -> 2, 6-11 -> 3,
+    12-22 -> 4, 32 -> 5."""
+    return round(math.log2(max(running, 1)))
 
 
 def plain_ms_per_token(level: int, cost: TreeCost) -> float:
@@ -198,7 +202,7 @@ def plain_ms_per_token(level: int, cost: TreeCost) -> float:
 
 @dataclass
 class Load:
-    """The gate at one load (a power-of-two bucket of the running count): its limit, its sit-out,
+    """The gate at one load (the running count's nearest power of two, ``bucket``): its limit, its sit-out,
     its samples so far and its last verdict (``ratio``: its samples' mean; None before any)."""
 
     limit: int = START_LIMIT
@@ -244,7 +248,8 @@ class Load:
         self.ratio = pooled_pays([(a, f) for _, a, f in self.samples])
         self.samples = []
         if self.pays:
-            self.wait = 0
+            if self.clear:  # a close verdict keeps the sit-out's length: one lucky pair of samples at a
+                self.wait = 0  # load that loses would otherwise bring back probes every other iteration
             self.limit = min(most, 2 * self.limit) if bound else self.limit
         elif self.limit > START_LIMIT:
             self.limit //= 2
@@ -294,9 +299,12 @@ class DraftGate:
 
     def choose(self, candidates: Sequence[Candidate], running: int, clean: bool = True) -> frozenset[int]:
         """The requests that draft this iteration with their cost-aware proposers; none in a control
-        iteration (``Load.control_due``), which only a ``clean`` pass (no prompt chunk in it) can be,
-        and none in a pass with prompt chunks unless the load's verdict is that drafting pays (a probe
-        there could not be measured, and its catch-up would be spent for nothing)."""
+        iteration (``Load.control_due``), which only a ``clean`` pass (no prompt chunk in it) can be;
+        in a pass with prompt chunks only those that drafted in the iteration before, and only where
+        the load's verdict is that drafting pays: a probe there could not be measured, and requests
+        just prefilled would start there, their catch-ups lengthening a long pass. (Default pair, 8
+        and 16 ShareGPT requests at once: drafting in those passes, newcomers included, bought its
+        tokens at 32-50 ms each against 15 and 11 ms a plain token.)"""
         level = bucket(running)
         load = self.loads.setdefault(level, Load())
         if load is not self._load and load.pays is None and not load.samples:
@@ -310,6 +318,8 @@ class DraftGate:
             return frozenset()
         if not clean and not load.pays:
             return frozenset()
+        if not clean:  # no catch-up in a pass the whole batch waits for while prompts go in
+            candidates = [c for c in candidates if c.drafted_last]
         load.since_control += bool(candidates)
         if load.pays is False:  # a probe, or a limit on its way down
             admissible = [c for c in candidates if self.probes(c, load)]

@@ -103,10 +103,13 @@ class DraftJob:
 
 class Executor(Protocol):
     """Where the models run: each request's states, and the iteration's phases for all requests at
-    once. ``names`` / ``neural``: the proposers in proposer order (neural: a model)."""
+    once. ``names`` / ``neural``: the proposers in proposer order (neural: a model); ``windows``:
+    the most committed tokens each one's first draft of a request takes in (``ssms[].context_tokens``;
+    None: all of them)."""
 
     names: tuple[str, ...]
     neural: tuple[bool, ...]
+    windows: tuple[int | None, ...]
 
     def admit(self, request_id: int, request: GenerationRequest, reserve_tokens: int) -> bool:
         """Create the request's states, reserving ``reserve_tokens`` of KV memory, and start its
@@ -165,7 +168,7 @@ class EngineLoop:
                  draft_gate: bool = True):
         self.executor, self.tokenizer = executor, tokenizer
         self.eos_ids, self.limits, self.cost, self.tree_budget = frozenset(eos_ids), limits, cost, tree_budget
-        self.names, self.neural = executor.names, executor.neural
+        self.names, self.neural, self.windows = executor.names, executor.neural, executor.windows
         self.load = RunningLoad() if cost is not None else None
         self.gate = DraftGate(cost, most=limits.max_running) if cost is not None and draft_gate else None
         self.waiting: deque[LoopRequest] = deque()
@@ -289,8 +292,8 @@ class EngineLoop:
         iteration lack (their catch-up). A request that drafts has its ``drafted_at`` moved to now."""
         if self.gate is None:
             return plans, 0
-        candidates = [Candidate(r.id, len(r.session.committed) - r.drafted_at,
-                                r.request.max_new_tokens - r.session.stats.new_tokens, r.id in self.gate.drafters)
+        candidates = [Candidate(r.id, self._lag(r, plans[r.id]), r.request.max_new_tokens - r.session.stats.new_tokens,
+                                r.id in self.gate.drafters)
                       for r in decoding if plans[r.id].cost_aware]
         allowed = self.gate.choose(candidates, len(decoding), clean)
         catch_up = sum(c.lag for c in candidates if c.request_id in allowed and not c.drafted_last)
@@ -301,6 +304,17 @@ class EngineLoop:
             elif plan.cost_aware:
                 r.drafted_at = len(r.session.committed)
         return plans, catch_up
+
+    def _lag(self, entry: LoopRequest, plan: StepPlan) -> int:
+        """Committed tokens the request's cost-aware SSMs lack: those since their last draft; before
+        its first, as many as the widest of their windows takes in (``Executor.windows``; the whole
+        context where one has none). Example: 300 committed, never drafted, a window of 64 -> 64
+        (without one: 300); drafted at 290 -> 10."""
+        committed = len(entry.session.committed)
+        if entry.drafted_at:
+            return committed - entry.drafted_at
+        windows = [self.windows[a.proposer] for a in plan.assignments if a.spec.cost_aware]
+        return committed if None in windows or not windows else min(committed, max(windows))
 
     def _observe(self, decoding: list[LoopRequest], plans: dict[int, StepPlan], counts: dict[str, int],
                  ms: dict[str, float], catch_up: int) -> None:

@@ -199,6 +199,7 @@ class LocalExecutor:
         self.target, self.drafters = target, list(drafters)
         self.names = tuple(d.name for d in self.drafters)
         self.neural = tuple(d.neural for d in self.drafters)
+        self.windows = tuple(d.context_tokens if isinstance(d, ModelDrafter) else None for d in self.drafters)
         self.target_side, self.draft_side = TargetSide(target, chunk_tokens), DraftSide(dict(enumerate(self.drafters)))
 
     def admit(self, request_id: int, request: GenerationRequest, reserve_tokens: int) -> bool:

@@ -331,6 +331,10 @@ class EngineConfig(Strict):
         """Whether each proposer of ``proposer_names`` is a model (the suffix proposer is not)."""
         return [True] * len(self.ssms) + ([False] if self.suffix else [])
 
+    def proposer_windows(self) -> list[int | None]:
+        """Each proposer's ``context_tokens`` (``proposer_names`` order; None: the whole context)."""
+        return [m.context_tokens for m in self.ssms] + ([None] if self.suffix else [])
+
     def _threads_fit_requests(self) -> None:
         """Each running request has one call at a time in each actor (draft, merge, prefill or
         verify), and a call holds one of the actor's ``max_concurrency`` threads while it runs: with

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import engine.draft_gate as draft_gate
-from engine.draft_gate import (CONTROL_EVERY, MAX_SAMPLES, Candidate, DraftGate, Load, Sample, bucket, drafting_pays,
-                               forgone, joins, plain_ms, pooled_pays, saving_per_token)
+from engine.draft_gate import (CONTROL_EVERY, MAX_SAMPLES, SAMPLES, Candidate, DraftGate, Load, Sample, bucket,
+                               drafting_pays, forgone, joins, plain_ms, pooled_pays, saving_per_token)
 from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 from engine.phases import local_loop
 from engine.requests import GenerationRequest, SpeculationOptions
@@ -97,7 +97,8 @@ def test_a_load_measures_its_plain_pass_once_a_verdict_is_close_and_then_every_s
     load.ratio = 2.0  # a clear verdict: no control spent on it
     assert gate.choose(pool, 8) == frozenset(range(4))
     load.ratio = 1.1  # a close one: the next clean pass is a control
-    assert gate.choose(pool, 8, clean=False) == frozenset(range(4))  # prompt chunks in the pass: no control
+    drafting = [replace(c, drafted_last=True) for c in pool]
+    assert gate.choose(drafting, 8, clean=False) == frozenset(range(4))  # prompt chunks in the pass: no control
     assert gate.choose(pool, 8) == frozenset()
     gate.observe(frozenset(), Sample(8, 0, 0, 0, 0.0, 176.0))
     assert load.plain_scale == 2.0  # the pass took 2x the curve's 88 ms
@@ -159,7 +160,8 @@ def test_more_accepted_tokens_pay_more(decoding, drafted, accepted):
     assert pays(accepted + 1) > pays(accepted)
 
 
-@pytest.mark.parametrize("running, expected", [(0, 0), (1, 0), (2, 1), (3, 1), (4, 2), (7, 2), (32, 5)])
+@pytest.mark.parametrize("running, expected", [(0, 0), (1, 0), (2, 1), (3, 2), (5, 2), (6, 3), (7, 3), (8, 3),
+                                               (11, 3), (12, 4), (22, 4), (23, 5), (32, 5)])
 def test_bucket(running, expected):
     assert bucket(running) == expected
 
@@ -214,6 +216,20 @@ def test_losing_halves_the_limit_down_to_a_probe_then_sits_out_ever_longer():
     assert gate.loads[bucket(8)].wait == 8
 
 
+def test_only_a_clear_verdict_that_drafting_pays_starts_the_sit_outs_over():
+    """Lose twice (sit out 1, then 2), pay by a close 1.1 (the limit doubles), lose twice (the limit
+    halves, then a sit-out of 4, not 1); a clear 2.0 starts them over."""
+    load, waits = Load(), []
+
+    def verdict(ratio: float) -> None:
+        for _ in range(SAMPLES):
+            load.decide((16, ratio * 10, 10.0), True, 8, 32)
+        waits.append(load.wait)
+    for ratio in (0.5, 0.5, 1.1, 0.5, 0.5, 2.0):
+        verdict(ratio)
+    assert waits == [1, 2, 2, 2, 4, 0]
+
+
 def test_each_load_keeps_its_own_state_and_a_new_one_starts_from_the_nearest_verdict():
     gate = measured_gate()
     for _ in range(3):
@@ -242,12 +258,13 @@ def models():
     return tiny_model("llama", VOCAB, layers=2, seed=0), tiny_model("llama", VOCAB, layers=1, seed=1)
 
 
-def gated_loop(models):
+def gated_loop(models, window: int | None = None):
     target, ssm = models
     target_pool, target_batcher = paged_parts(target, 4096, 16)
     ssm_pool, ssm_batcher = paged_parts(ssm, 4096, 16)
-    return local_loop(PagedTarget(target, target_pool, target_batcher),
-                      [PagedDrafter(ssm, 0, "ssm", ssm_pool, ssm_batcher)], IdTokenizer(), (), cost=SLOW_FLAT)
+    drafter = PagedDrafter(ssm, 0, "ssm", ssm_pool, ssm_batcher)
+    drafter.context_tokens = window
+    return local_loop(PagedTarget(target, target_pool, target_batcher), [drafter], IdTokenizer(), (), cost=SLOW_FLAT)
 
 
 @pytest.mark.parametrize("verdict", [0.0, float("inf")])
@@ -271,6 +288,27 @@ def test_the_loop_drafts_as_many_as_the_gate_allows_and_stays_exact(models, monk
         assert decoding[-1].draft_limit == 0
 
 
+@pytest.mark.parametrize("window, expected", [
+    (None, [21, 2]),  # the whole context: a 20-token prompt and its first token; then what came since
+    (4, [4, 2]),  # ssms[].context_tokens: the first draft takes in 4 tokens, not 21
+    (64, [21, 2]),  # a window wider than the context takes all of it
+])
+def test_the_gate_weighs_a_first_draft_by_what_the_ssm_takes_in(models, window, expected):
+    """A request's lag, as the gate gets it: before its first draft what the SSM's window feeds it,
+    after a draft the tokens committed since (two iterations held back: 2). The loop reads the
+    window from its executor (``Executor.windows``)."""
+    loop, lags = gated_loop(models, window), []
+    allowed = iter([{0}, set(), set()])
+
+    def spy(candidates, running, clean=True):
+        lags.extend(c.lag for c in candidates)
+        return frozenset(next(allowed) if candidates else ())
+    loop.gate.choose = spy
+    request = loop.submit(GenerationRequest(tuple(range(30, 50)), 4, speculation=SpeculationOptions(policy="cost")))
+    drain(loop, [request])
+    assert [lags[0], lags[2]] == expected
+
+
 @pytest.mark.parametrize("saving_ms, catch_up_ms, expected", [
     (None, 0.9, {7}),  # never paid: only the request that lags 10 (<= PROBE_LAG) probes
     (0.0, 0.9, {7}),
@@ -284,15 +322,22 @@ def test_who_probes_a_load_that_did_not_pay(saving_ms, catch_up_ms, expected):
     assert gate.choose(candidates(8), 8) == frozenset(expected)
 
 
-@pytest.mark.parametrize("ratio, drafters, clean", [(None, 0, 4), (0.9, 0, 1), (1.2, 4, 4)])
-def test_a_pass_with_prompt_chunks_drafts_only_where_drafting_pays(ratio, drafters, clean):
-    """A probe in a pass busy with prompts could not be measured: only a paying load drafts there. In
-    a clean pass a load that did not pay probes with the requests that lag at most PROBE_LAG (lag 10
-    of 10-80)."""
+@pytest.mark.parametrize("ratio, drafters, clean", [
+    (None, set(), set(range(8))),  # no verdict yet: not in a busy pass; in a clean one all may start
+    (0.9, set(), {1, 2, 5, 7}),  # did not pay: a clean pass probes with who drafted last and lag 10
+    (1.2, {1, 2, 5}, set(range(8))),
+])
+def test_a_pass_with_prompt_chunks_drafts_only_where_drafting_pays_and_only_who_drafted_last(ratio, drafters,
+                                                                                             clean):
+    """A probe in a pass busy with prompts could not be measured: only a paying load drafts there,
+    and only with the requests that drafted in the iteration before (1, 2, 5: no catch-up). In a
+    clean pass a load that did not pay probes with those and the requests that lag at most PROBE_LAG
+    (7: lag 10 of 10-80); a paying one lets the others join too."""
     gate = measured_gate()
-    gate.loads[bucket(8)].ratio = ratio
-    assert len(gate.choose(candidates(8), 8, clean=False)) == drafters
-    assert len(gate.choose(candidates(8), 8)) == clean
+    gate.loads[bucket(8)] = Load(limit=8, ratio=ratio, plain_scale=1.0)
+    pool = candidates(8, frozenset({1, 2, 5}))
+    assert gate.choose(pool, 8, clean=False) == frozenset(drafters)
+    assert gate.choose(pool, 8) == frozenset(clean)
 
 
 def test_a_pass_with_prompt_chunks_gives_no_verdict():

@@ -172,7 +172,7 @@ class _Verifier:
 
 
 class _Group:
-    names, neural = ("ssm",), (True,)
+    names, neural, windows = ("ssm",), (True,), (None,)
 
     def __init__(self):
         self.verifier, self.detached = _Verifier(), []
