@@ -81,27 +81,34 @@ def run_level(engine, method: Method, workload: Sequence[EncodedPrompt], streams
 
 
 def measure_level(engine, method: Method, workload: Sequence[EncodedPrompt], streams: int, max_new_tokens: int,
-                  gated: bool = True) -> LevelRun:
-    """S requests submitted at once; the loop stepped until every one has finished. ``gated``: with
-    the engine's draft gate (it persists across levels, as in a server), else with none."""
+                  gated: bool = True, per_stream: int = 1) -> LevelRun:
+    """S busy streams: S requests submitted at once and, as each finishes, the stream's next, until
+    ``per_stream`` x S requests (the workload's prompts cycled) have finished; the loop stepped
+    meanwhile. ``gated``: with the engine's draft gate (it persists across levels, as in a server),
+    else with none. The first token's ms count from the request's submission."""
     loop, seen, gate = engine.loop, [], engine.loop.gate
     loop.gate = gate if gated else None
     loop.observers.append(seen.append)
+    prompts = [workload[i % len(workload)].ids for i in range(streams * per_stream)]
     try:
-        began = time.perf_counter()
-        ids = [loop.submit(GenerationRequest(workload[i % len(workload)].ids, max_new_tokens,
-                                             speculation=method.options)) for i in range(streams)]
-        first, tokens, outputs = {}, dict.fromkeys(ids, 0), {i: [] for i in ids}
+        began, submitted, first, tokens, outputs = time.perf_counter(), {}, {}, {}, {}
+
+        def submit() -> None:
+            request_id = loop.submit(GenerationRequest(prompts[len(submitted)], max_new_tokens,
+                                                       speculation=method.options))
+            submitted[request_id], tokens[request_id], outputs[request_id] = time.perf_counter(), 0, []
+        for _ in range(streams):
+            submit()
         while loop.has_work:
             loop.step()
-            for request_id in ids:
-                if request_id not in loop.requests:
-                    continue
+            for request_id in [i for i in submitted if i in loop.requests]:
                 for update in loop.take(request_id):
                     if update.token_ids and request_id not in first:
-                        first[request_id] = (time.perf_counter() - began) * 1e3
+                        first[request_id] = (time.perf_counter() - submitted[request_id]) * 1e3
                     tokens[request_id] += len(update.token_ids)
                     outputs[request_id].extend(update.token_ids)
+                    if update.finish_reason is not None and len(submitted) < len(prompts):
+                        submit()
         wall_s = time.perf_counter() - began
     finally:
         loop.observers.remove(seen.append)
@@ -116,7 +123,7 @@ def run_levels(engine, methods: Sequence[Method], workload: Sequence[EncodedProm
     a slow stretch of the machine falls on all of them), the rounds pooled per variant."""
     figures = []
     for level in streams:
-        runs = [measure_level(engine, method, workload, level, args.max_new_tokens, gated)
+        runs = [measure_level(engine, method, workload, level, args.max_new_tokens, gated, args.per_stream)
                 for _ in range(args.repeats) for method, gated in variants(methods, args.gate_ab)]
         these = [level_figures(group) for group in grouped(runs)]
         logger.info("level %d: %s", level, ", ".join(f"{f['method']} {f['aggregate_tokens_per_s']:.1f} tok/s"
@@ -271,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         help="also run each speculative method with the draft gate off (\"METHOD (no gate)\")")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds per level, every method once a round; figures pool the rounds")
+    parser.add_argument("--per-stream", type=int, default=1,
+                        help="requests each stream runs back to back (S x this per level; 1: one closed batch)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

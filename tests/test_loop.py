@@ -463,6 +463,22 @@ def test_gate_ab_runs_each_speculative_method_without_the_gate_too_and_keeps_the
     assert level["method"] == "tree (no gate)" and loop.gate is gate
 
 
+def test_busy_streams_run_their_requests_back_to_back_with_at_most_one_each_running(models):
+    """2 streams x 3 requests each: 6 requests, never more than 2 running, every output the target's
+    own greedy decoding of its prompt (the prompts cycled)."""
+    from bench.loop_load import measure_level
+    from bench.methods import Method
+    from bench.workloads import EncodedPrompt, Prompt
+
+    prompts = [tuple(range(3, 9)), tuple(range(30, 44)), (7, 3, 9)]
+    workload = [EncodedPrompt(Prompt(str(i), "", False), p) for i, p in enumerate(prompts)]
+    engine = type("Engine", (), {"loop": paged_loop(models)})()
+    run = measure_level(engine, Method("tree", "engine", TREE), workload, 2, 5, per_stream=3)
+    assert len(run.tokens) == 6 and max(s.running for s in run.iterations) == 2
+    expected = [reference_greedy(models[0], list(prompts[i % 3]), 5) for i in range(6)]
+    assert [run.outputs[i] for i in sorted(run.outputs)] == expected and set(run.first) == set(run.tokens)
+
+
 def test_repeated_rounds_are_pooled_per_method():
     """Two rounds of incremental around one of tree: each method's figures pool its own rounds."""
     from bench.loop_load import LevelRun, grouped, level_figures
@@ -487,7 +503,7 @@ def test_run_levels_alternates_the_methods_within_each_round(monkeypatch):
 
     calls = []
 
-    def measure(engine, method, workload, streams, max_new_tokens, gated=True):
+    def measure(engine, method, workload, streams, max_new_tokens, gated=True, per_stream=1):
         calls.append((streams, method.spelling))
         return loop_load.LevelRun(method.spelling, streams, 1.0, {len(calls): 2}, {len(calls): 1.0},
                                   [stats(0, 2, 10.0)], {})
@@ -495,7 +511,7 @@ def test_run_levels_alternates_the_methods_within_each_round(monkeypatch):
     monkeypatch.setattr(loop_load, "measure_level", measure)
     methods = [Method("incremental", "engine", SpeculationOptions(mode="incremental")), Method("tree", "engine", TREE)]
     figures = loop_load.run_levels(None, methods, [], [1, 4], argparse.Namespace(repeats=2, max_new_tokens=4,
-                                                                                  gate_ab=False))
+                                                                                  gate_ab=False, per_stream=1))
     assert calls == [(s, m) for s in (1, 4) for _ in range(2) for m in ("incremental", "tree")]
     assert [(f["streams"], f["method"], f["repeats"]) for f in figures] == [
         (1, "incremental", 2), (1, "tree", 2), (4, "incremental", 2), (4, "tree", 2)]
