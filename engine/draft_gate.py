@@ -17,9 +17,9 @@ verdict pools its samples (``pooled_pays``: their accepted tokens over the plain
 drafting's ms would have bought) once they hold ``MIN_DRAFTED`` drafted tokens (at least
 ``SAMPLES`` of them, at most ``MAX_SAMPLES``): one request's iteration drafts 0-10 tokens, too few
 for a verdict of its own. Paying doubles the limit (where it bound); not paying halves it while it is
-above ``START_LIMIT``, else the gate sits out 1, 2, 4, ... iterations (at most ``max_wait``), then
-``START_LIMIT`` requests draft again; only a clear verdict (``PREDICTION_MARGIN``) that it pays starts
-the sit-outs over from 1. The floor is there because an SSM's packed forward costs
+above ``START_LIMIT``, else the gate sits out 1, 4, 16, ... iterations (``SIT_OUT_GROWTH``, at most
+``max_wait``), then ``START_LIMIT`` requests draft again; only a clear verdict (``PREDICTION_MARGIN``)
+that it pays starts the sit-outs over from 1. The floor is there because an SSM's packed forward costs
 about as much for one tree as for four: a probe by one request of four weighs a whole forward
 against one request's tokens (measured on the default pair at 4 running: one drafter 0.39-0.82,
 all four drafting above incremental), so the probe is the batch, not one request of it. The gate
@@ -66,6 +66,11 @@ FADE = 0.5  # ``keep`` of the gate's moving averages (catch-up, draft and saving
 # request whose drafting buys tokens at 2x the plain rate, say) spends no iteration on a control.
 CONTROL_EVERY = 16
 PREDICTION_MARGIN = 1.25  # a ratio this far from 1 (either way) is clear: acted on without a probe, fewer controls
+# Each losing verdict in a row sits out this many times longer. A probe costs its catch-up and a few
+# iterations of drafting that does not pay; doubling (1, 2, 4, ... 32), a load where drafting never
+# paid spent a fifth of a 130-iteration level probing (default pair, 8 busy streams, served at 0.93x
+# incremental with 93% of its steps plain).
+SIT_OUT_GROWTH = 4
 STEADY_LAG = 4  # a drafter new this iteration that lacks at most this many tokens keeps it steady
 START_LIMIT = 4  # requests drafting before anything was measured, and in each probe
 SAMPLES = 2  # steady iterations pooled per verdict, at least ...
@@ -254,7 +259,7 @@ class Load:
         elif self.limit > START_LIMIT:
             self.limit //= 2
         else:
-            self.sit_out(min(max_wait, max(1, 2 * self.wait)))
+            self.sit_out(min(max_wait, max(1, SIT_OUT_GROWTH * self.wait)))
 
     def sit_out(self, wait: int) -> None:
         """Nobody drafts for ``wait`` iterations, then ``START_LIMIT`` requests try again."""
@@ -284,7 +289,7 @@ class DraftGate:
 
     cost: TreeCost
     most: int = 8
-    max_wait: int = 32
+    max_wait: int = 64
     loads: dict[int, Load] = field(default_factory=dict)
     drafters: frozenset[int] = frozenset()  # who drafted in the last iteration
     catch_up_ms: float | None = None  # faded ms an SSM's catch-up costs per token fed

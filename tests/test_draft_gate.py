@@ -144,7 +144,7 @@ def test_a_verdict_waits_for_enough_drafted_tokens():
     load.left = 0
     for _ in range(2):  # drafting that keeps no node at a dear load: judged as soon as it cost MIN_FORGONE
         load.decide((0, 0, 2.0), bound=False, most=8, max_wait=32)
-    assert load.ratio == 0.0 and load.left == 2
+    assert load.ratio == 0.0 and load.left == 4  # the second loss in a row: SIT_OUT_GROWTH x the first
 
 
 @given(st.integers(1, 32), st.integers(0, 64), st.floats(1.0, 500.0), st.floats(1.0, 500.0))
@@ -208,17 +208,18 @@ def test_paying_doubles_the_limit_up_to_the_batch_limit():
 def test_losing_halves_the_limit_down_to_a_probe_then_sits_out_ever_longer():
     gate = measured_gate()
     gate.loads[bucket(8)].limit = 8
-    chosen = [len(step(gate, 8, LOSES)) for _ in range(25)]
+    chosen = [len(step(gate, 8, LOSES)) for _ in range(32)]
     # 8 draft (1 unmeasured: 4 new, + 2 measured), then 4 of them (2 measured): the probe's size, so
     # it sits out 1; then a probe (1 unmeasured: new after the sit-out, + 2 measured) by the one
-    # request with at most PROBE_LAG tokens to catch up (lag 10; the others lack 20-80), sit out 2, ...
-    assert chosen == [8, 8, 8, 4, 4, 0, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0]
-    assert gate.loads[bucket(8)].wait == 8
+    # request with at most PROBE_LAG tokens to catch up (lag 10; the others lack 20-80), sit out 4,
+    # the same probe, sit out 16, ...
+    assert chosen == [8, 8, 8, 4, 4, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1] + [0] * 16
+    assert gate.loads[bucket(8)].wait == 16
 
 
 def test_only_a_clear_verdict_that_drafting_pays_starts_the_sit_outs_over():
-    """Lose twice (sit out 1, then 2), pay by a close 1.1 (the limit doubles), lose twice (the limit
-    halves, then a sit-out of 4, not 1); a clear 2.0 starts them over."""
+    """Lose twice (sit out 1, then 4), pay by a close 1.1 (the limit doubles), lose twice (the limit
+    halves, then a sit-out of 16, not 1); a clear 2.0 starts them over."""
     load, waits = Load(), []
 
     def verdict(ratio: float) -> None:
@@ -227,7 +228,7 @@ def test_only_a_clear_verdict_that_drafting_pays_starts_the_sit_outs_over():
         waits.append(load.wait)
     for ratio in (0.5, 0.5, 1.1, 0.5, 0.5, 2.0):
         verdict(ratio)
-    assert waits == [1, 2, 2, 2, 4, 0]
+    assert waits == [1, 4, 4, 4, 16, 0]
 
 
 def test_each_load_keeps_its_own_state_and_a_new_one_starts_from_the_nearest_verdict():
