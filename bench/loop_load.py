@@ -1,4 +1,4 @@
-"""Load levels on the in-process engine loop: S requests at once, every method, one process.
+"""Load levels on the in-process engine loop: S requests at once (or S busy streams), every method.
 
     python -m bench.loop_load --config configs/default.yaml --dataset sharegpt --streams 1,4,8 \\
         --methods incremental,tree --num-prompts 8 --max-new-tokens 64 --out bench/results/loop-load
@@ -7,7 +7,10 @@ For each level S and each method (the methods alternate within a level, so a slo
 machine falls on both), S requests (the workload's prompts cycled) are submitted to the batched
 in-process engine (``cluster.build.build_engine(config, batched=True)``: paged pools, one packed
 target pass per iteration, one SSM forward per tree level for the whole batch) and the loop is
-stepped until all have finished. No Ray, no gRPC: what the loop itself does under load.
+stepped until all have finished. With ``--per-stream K`` the level is S busy streams instead: each
+sends its next request when one finishes, K x S requests in all (a closed batch of S equal-length
+requests favours plain decoding, which keeps all S in every pass to the end, while a tree finishes
+some early). No Ray, no gRPC: what the loop itself does under load.
 
 With ``--repeats R`` each level runs R rounds, every method once a round, and a method's figures
 pool its rounds (tokens per second: all their tokens over all their wall time; seconds, tokens and
