@@ -18,14 +18,14 @@ drafting's ms would have bought) once they hold ``MIN_DRAFTED`` drafted tokens (
 ``SAMPLES`` of them, at most ``MAX_SAMPLES``): one request's iteration drafts 0-10 tokens, too few
 for a verdict of its own. Paying doubles the limit (where it bound); not paying halves it while it is
 above ``START_LIMIT``, else the gate sits out 1, 4, 16, ... iterations (``SIT_OUT_GROWTH``, at most
-``max_wait``), then ``START_LIMIT`` requests draft again; only a clear verdict (``PREDICTION_MARGIN``)
-that it pays starts the sit-outs over from 1. The floor is there because an SSM's packed forward costs
-about as much for one tree as for four: a probe by one request of four weighs a whole forward
-against one request's tokens (measured on the default pair at 4 running: one drafter 0.39-0.82,
-all four drafting above incremental), so the probe is the batch, not one request of it. The gate
-keeps this state per load (the running count's nearest power of two, ``bucket``, ``Load``), so a server that
-returns to a load it knows resumes what it found there, and a load it has not measured starts from
-the nearest one's verdict (``Load.open_like``).
+``max_wait``), then ``START_LIMIT`` requests draft again; only a clear verdict
+(``PREDICTION_MARGIN``) that it pays starts the sit-outs over from 1. The floor is there because an
+SSM's packed forward costs about as much for one tree as for four: a probe by one request of four
+weighs a whole forward against one request's tokens (measured on the default pair at 4 running: one
+drafter 0.39-0.82, all four drafting above incremental), so the probe is the batch, not one request
+of it. The gate keeps this state per load (the running count's nearest power of two, ``bucket``,
+``Load``), so a server that returns to a load it knows resumes what it found there, and a load it has
+not measured starts from the nearest one's verdict (``Load.open_like``).
 
 Who drafts when not all may: those that drafted in the iteration before (nothing to catch up),
 then the least *lag* (committed tokens the SSMs lack: before a request's first draft, its context
@@ -33,9 +33,10 @@ or as much of it as the SSMs' window takes in, ``ssms[].context_tokens``). A req
 its SSMs' catch-up costs no more than drafting saves it over the tokens it may still emit, both
 measured (a load without a verdict takes the nearest paying load's saving, ``DraftGate.saving_at``);
 before they are, if its lag is at most ``JOIN_RATIO`` x those tokens (``joins``). Where the
-load's verdict was that drafting does not pay, only requests that lack at most ``PROBE_LAG`` tokens draft (probes by requests that drafted lately), or those whose
-catch-up the load's saving when it last paid would repay (``DraftGate.probes``): a load whose
-requests never drafted and never paid stays closed rather than pay their contexts' catch-up.
+load's verdict was that drafting does not pay, only requests that lack at most ``PROBE_LAG`` tokens
+draft (probes by requests that drafted lately), or those whose catch-up the load's saving when it
+last paid would repay (``DraftGate.probes``): a load whose requests never drafted and never paid
+stays closed rather than pay their contexts' catch-up.
 
 It changes who drafts, never what a draft or a verdict is: greedy output stays the target's own.
 """
@@ -207,8 +208,8 @@ def plain_ms_per_token(level: int, cost: TreeCost) -> float:
 
 @dataclass
 class Load:
-    """The gate at one load (the running count's nearest power of two, ``bucket``): its limit, its sit-out,
-    its samples so far and its last verdict (``ratio``: its samples' mean; None before any)."""
+    """The gate at one load (the running count's nearest power of two, ``bucket``): its limit, its
+    sit-out, its samples so far and its last verdict (``ratio``: its samples' mean; None before any)."""
 
     limit: int = START_LIMIT
     wait: int = 0  # iterations the next sit-out lasts
