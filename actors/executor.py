@@ -51,8 +51,7 @@ class ActorExecutor:
 
     def __init__(self, group: ActorGroup, liveness: Liveness, capacity_tokens: int | None, block_size: int = 1):
         self.group, self.liveness, self.capacity, self.block_size = group, liveness, capacity_tokens, block_size
-        self.names, self.neural = group.names, group.neural
-        self.windows = group.windows or (None,) * len(group.names)
+        self.names, self.neural, self.windows = group.names, group.neural, group.windows
         self.requests: dict[int, RemoteRequest] = {}
         self._kv_blocks: tuple[int, int] | None = None
         self._draft_wait_ms = 0.0

@@ -25,11 +25,11 @@ class ActorGroup:
 
     names: tuple[str, ...]
     neural: tuple[bool, ...]
+    windows: tuple[int | None, ...]
     ssms: tuple  # ActorHandle per config.ssms entry
     merge: object  # ActorHandle
     verifier: object  # ActorHandle
     placement: Placement = NO_PLACEMENT  # the reservation they run in (removed with them)
-    windows: tuple[int | None, ...] = ()
 
     def everyone(self) -> list:
         return [*self.ssms, self.merge, self.verifier]
@@ -95,8 +95,8 @@ def launch(config: EngineConfig, prefix: str, namespace: str | None = None,
                  .remote(config, index, server.ssm_actor.torch_threads) for index, ssm in enumerate(config.ssms))
     merge = ray.remote(MergeActor).options(**options(server.merge_actor, "merge")).remote(
         config.suffix, len(config.ssms), server.merge_actor.torch_threads, server.request_ttl_s)
-    return ActorGroup(tuple(config.proposer_names()), tuple(config.proposer_neural()), ssms, merge, verifier,
-                      placement, tuple(config.proposer_windows()))
+    return ActorGroup(tuple(config.proposer_names()), tuple(config.proposer_neural()),
+                      tuple(config.proposer_windows()), ssms, merge, verifier, placement)
 
 
 async def start(config: EngineConfig, prefix: str, namespace: str | None = None) -> tuple[ActorGroup, TargetInfo]:

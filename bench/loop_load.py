@@ -285,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         help="requests each stream runs back to back (S x this per level; 1: one closed batch)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.per_stream < 1:
+        parser.error(f"--per-stream must be >= 1, got {args.per_stream}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from cluster.build import build_engine, close_engine
 

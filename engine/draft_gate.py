@@ -322,9 +322,9 @@ class DraftGate:
         if candidates and clean and load.control_due:
             load.since_control = 0
             return frozenset()
-        if not clean and not load.pays:
-            return frozenset()
-        if not clean:  # no catch-up in a pass the whole batch waits for while prompts go in
+        if not clean:  # only where drafting pays, and no catch-up in a pass the batch waits for
+            if not load.pays:
+                return frozenset()
             candidates = [c for c in candidates if c.drafted_last]
         load.since_control += bool(candidates)
         if load.pays is False:  # a probe, or a limit on its way down

@@ -289,25 +289,27 @@ def test_the_loop_drafts_as_many_as_the_gate_allows_and_stays_exact(models, monk
         assert decoding[-1].draft_limit == 0
 
 
-@pytest.mark.parametrize("window, expected", [
-    (None, [21, 2]),  # the whole context: a 20-token prompt and its first token; then what came since
-    (4, [4, 2]),  # ssms[].context_tokens: the first draft takes in 4 tokens, not 21
-    (64, [21, 2]),  # a window wider than the context takes all of it
+@pytest.mark.parametrize("window, first", [
+    (None, 21),  # the whole context: a 20-token prompt and its first token
+    (4, 4),  # ssms[].context_tokens: the first draft takes in 4 tokens, not 21
+    (64, 21),  # a window wider than the context takes all of it
 ])
-def test_the_gate_weighs_a_first_draft_by_what_the_ssm_takes_in(models, window, expected):
-    """A request's lag, as the gate gets it: before its first draft what the SSM's window feeds it,
-    after a draft the tokens committed since (two iterations held back: 2). The loop reads the
-    window from its executor (``Executor.windows``)."""
-    loop, lags = gated_loop(models, window), []
-    allowed = iter([{0}, set(), set()])
+def test_the_gate_weighs_a_first_draft_by_what_the_ssm_takes_in(models, window, first):
+    """A request's lag, as the gate gets it: before its first draft what the SSM's window feeds it;
+    after that draft (the only one allowed), the tokens committed since. The loop reads the window
+    from its executor (``Executor.windows``)."""
+    loop, seen = gated_loop(models, window), []
 
     def spy(candidates, running, clean=True):
-        lags.extend(c.lag for c in candidates)
-        return frozenset(next(allowed) if candidates else ())
+        if not candidates:  # the prompt's pass
+            return frozenset()
+        seen.append((candidates[0].lag, len(loop.requests[candidates[0].request_id].session.committed)))
+        return frozenset({candidates[0].request_id} if len(seen) == 1 else ())
     loop.gate.choose = spy
-    request = loop.submit(GenerationRequest(tuple(range(30, 50)), 4, speculation=SpeculationOptions(policy="cost")))
+    request = loop.submit(GenerationRequest(tuple(range(30, 50)), 12, speculation=SpeculationOptions(policy="cost")))
     drain(loop, [request])
-    assert [lags[0], lags[2]] == expected
+    assert seen[0] == (first, 21) and len(seen) >= 2
+    assert all(lag == committed - 21 for lag, committed in seen[1:]), seen
 
 
 @pytest.mark.parametrize("saving_ms, catch_up_ms, expected", [

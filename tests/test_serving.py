@@ -387,7 +387,8 @@ def test_releases_are_not_children_of_the_requests_task(ray_session):  # noqa: F
 
             own = ray.get_runtime_context().get_task_id()
             Handle.release.remote("r1")  # sent from the coroutine
-            ActorGroup(names=("a",), neural=(True,), ssms=(Handle(),), merge=Handle(), verifier=Handle()).release("r1")
+            ActorGroup(names=("a",), neural=(True,), windows=(None,), ssms=(Handle(),), merge=Handle(),
+                       verifier=Handle()).release("r1")
             return own, *seen
 
     caller = ray.remote(num_cpus=0)(Caller).remote()
