@@ -3,6 +3,7 @@ building the command line's parser imports no engine (torch, transformers)."""
 
 from __future__ import annotations
 
+BASELINE = "incremental"  # what every method is measured against
 GREEDY_METHODS = ("incremental", "sequence:4", "tree", "ensemble", "hf-assisted")
 SAMPLED_METHODS = ("incremental", "sequence:4", "tree+top_k", "tree+sampled", "tree+sampled_without_replacement",
                    "hf-assisted")

@@ -29,9 +29,8 @@ from engine.draft import CHILDREN_RULES
 from engine.requests import SpeculationOptions
 from settings.config import EngineConfig
 
-from .method_names import GREEDY_METHODS, SAMPLED_METHODS, SPELLINGS  # noqa: F401 (re-exported)
+from .method_names import BASELINE, GREEDY_METHODS, SAMPLED_METHODS, SPELLINGS  # noqa: F401 (re-exported)
 
-BASELINE = "incremental"
 PEER = "hf-assisted"  # transformers' assisted generation: the per-prompt ratios' second reference
 
 

@@ -728,6 +728,40 @@ def test_gpu_prefetch_default_pair_shape(tmp_path):
     assert result["outputs_follow_the_target"] and result["table"][2]["hit_rate"] > 0
 
 
+def test_gpu_loop_runs_on_cpu_tiny_and_every_request_follows_the_target(tmp_path):
+    """bench/gpu_loop.py (the engine loop on a GPU) on CPU with the tiny pair: at 1 and 3 busy streams
+    every request of both methods emits the target's planted greedy output, the tree drafted (more
+    than one token a pass), and the ratios are against incremental."""
+    result = _bench_script("gpu_loop").main([
+        "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--streams", "1,3", "--tokens", "12",
+        "--prompt-tokens", "24", "--policy", "schedule", "--agreement", "1.0", "--out", str(tmp_path / "l.json")])
+    assert result["outputs_follow_the_target"]
+    levels = {(row["method"], row["streams"]): row for row in result["levels"]}
+    assert sorted(levels) == [("incremental", 1), ("incremental", 3), ("tree", 1), ("tree", 3)]
+    assert all(levels["incremental", s]["vs_incremental"] == 1.0 for s in (1, 3))
+    assert levels["incremental", 3]["new_tokens"] == 3 * 2 * 12  # 3 streams x 2 requests each x 12 tokens
+    assert levels["tree", 1]["tokens_per_pass"] > 1.0
+    assert json.loads((tmp_path / "l.json").read_text())["machine"]
+
+
+@pytest.mark.parametrize("third,follows", [([1, 2, 3], True), ([2, 3, 0], False)])
+def test_gpu_loop_checks_each_output_against_the_target_rule(third, follows):
+    """Requests 9, 10, 11 (submitted in that order: "10" sorts before "9" as text) ran prompts 0, 1, 0
+    (cycled); the check holds only where each emitted the rule's path from its prompt's last token
+    (the negative control: the third request given the second prompt's output)."""
+    gpu_loop = _bench_script("gpu_loop")
+    rule = torch.tensor([1, 2, 3, 0])  # the target's successor of each token
+    prompts = [gpu_loop.EncodedPrompt(gpu_loop.Prompt(str(i), ""), (i, i)) for i in range(2)]
+    outputs = {"10": [2, 3, 0], "9": [1, 2, 3], "11": third}
+    assert gpu_loop.follows_the_target({"outputs": outputs}, prompts, rule, 3) is follows
+
+
+@pytest.mark.gpu
+def test_gpu_loop_default_pair_shape(tmp_path):
+    result = _bench_script("gpu_loop").main(["--streams", "1,8", "--tokens", "32", "--out", str(tmp_path / "l.json")])
+    assert result["outputs_follow_the_target"]
+
+
 @pytest.mark.parametrize("sizes,mean,plain", [([0, 2, 4, 0], 1.5, 0.5), ([], None, None), ([3], 3.0, 0.0)])
 def test_tree_size_summary(sizes, mean, plain):
     from bench.load import tree_size_summary

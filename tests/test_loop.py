@@ -354,7 +354,7 @@ def test_limits_are_checked(limits, message):
     (None, 4, None),
 ])
 def test_forward_limit_is_streams_per_pass_at_the_curves_cost(curve, streams, expected):
-    from bench.loop_load import forward_limit
+    from bench.loop_levels import forward_limit
 
     assert forward_limit(curve, streams) == (pytest.approx(expected) if expected else None)
 
@@ -365,7 +365,8 @@ LEVEL_CURVE = {1: 10.0, 2: 11.0, 4: 12.0}  # the verify-cost curve the levels ar
 def test_loop_load_levels_are_exact_and_ratios_are_against_incremental(models):
     """Both methods at two levels on the tiny pair: every output the target's greedy output, and
     each level's ratio taken against incremental's tok/s at the same level."""
-    from bench.loop_load import run_level, summarise
+    from bench.loop_levels import summarise
+    from bench.loop_load import run_level
     from bench.methods import Method
     from bench.workloads import EncodedPrompt, Prompt
 
@@ -395,7 +396,7 @@ def test_loop_load_levels_are_exact_and_ratios_are_against_incremental(models):
 
 
 def forward_limit_at(batch: float) -> float:
-    from bench.loop_load import forward_limit
+    from bench.loop_levels import forward_limit
 
     return forward_limit(LEVEL_CURVE, batch)
 
@@ -409,7 +410,7 @@ def stats(prompt_tokens: int, emitted: int, ms: float, running: int = 2):
 
 def test_split_profile_worked_example():
     """Two decode iterations of 300 ms emitting 8 tokens each and one prefill of 1,200 ms."""
-    from bench.loop_load import split_profile
+    from bench.loop_levels import split_profile
 
     profile = split_profile([stats(40, 2, 1200.0), stats(0, 8, 300.0), stats(0, 8, 300.0)])
     assert profile["prefill"]["iterations"] == 1 and profile["prefill"]["seconds"] == pytest.approx(1.2)
@@ -466,7 +467,7 @@ def test_gate_ab_runs_each_speculative_method_without_the_gate_too_and_keeps_the
 def test_busy_streams_run_their_requests_back_to_back_with_at_most_one_each_running(models):
     """2 streams x 3 requests each: 6 requests, never more than 2 running, every output the target's
     own greedy decoding of its prompt (the prompts cycled)."""
-    from bench.loop_load import measure_level
+    from bench.loop_levels import measure_level
     from bench.methods import Method
     from bench.workloads import EncodedPrompt, Prompt
 
@@ -481,7 +482,7 @@ def test_busy_streams_run_their_requests_back_to_back_with_at_most_one_each_runn
 
 def test_repeated_rounds_are_pooled_per_method():
     """Two rounds of incremental around one of tree: each method's figures pool its own rounds."""
-    from bench.loop_load import LevelRun, grouped, level_figures
+    from bench.loop_levels import LevelRun, grouped, level_figures
 
     one = [stats(0, 4, 100.0)]
     runs = [LevelRun("incremental", 2, 1.0, {0: 4, 1: 4}, {0: 100.0, 1: 300.0}, one, {0: [1]}),
@@ -499,14 +500,14 @@ def test_run_levels_alternates_the_methods_within_each_round(monkeypatch):
     import argparse
 
     import bench.loop_load as loop_load
+    from bench.loop_levels import LevelRun
     from bench.methods import Method
 
     calls = []
 
     def measure(engine, method, workload, streams, max_new_tokens, gated=True, per_stream=1):
         calls.append((streams, method.spelling))
-        return loop_load.LevelRun(method.spelling, streams, 1.0, {len(calls): 2}, {len(calls): 1.0},
-                                  [stats(0, 2, 10.0)], {})
+        return LevelRun(method.spelling, streams, 1.0, {len(calls): 2}, {len(calls): 1.0}, [stats(0, 2, 10.0)], {})
 
     monkeypatch.setattr(loop_load, "measure_level", measure)
     methods = [Method("incremental", "engine", SpeculationOptions(mode="incremental")), Method("tree", "engine", TREE)]
