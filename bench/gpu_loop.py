@@ -99,12 +99,19 @@ def follows_the_target(level: dict, prompts: list[EncodedPrompt], rule: torch.Te
     return all(out == follow(rule, prompts[i % len(prompts)].ids[-1], tokens) for i, (_, out) in enumerate(outputs))
 
 
+def chosen_methods(spellings: str, policy: str) -> list[PlantedMethod]:
+    """Incremental first (the ratios' base), then the others named, their trees shaped by ``policy``.
+    Example: "tree" -> incremental, tree."""
+    names = ["incremental"] + [m for m in spellings.split(",") if m != "incremental"]
+    return [PlantedMethod(m, replace(METHODS[m], policy=policy)) for m in names]
+
+
 def run(args: argparse.Namespace) -> dict:
     streams = [int(s) for s in args.streams.split(",")]
     pair = build_pair(args, args.seed)
     engine, curve = loop_engine(pair, max(streams), args)
     prompts = planted_prompts(pair, max(streams) * args.per_stream, args.prompt_tokens, args.seed + 3)
-    methods = [PlantedMethod(m, replace(METHODS[m], policy=args.policy)) for m in ["incremental"] + [m for m in args.methods.split(",") if m != "incremental"]]
+    methods = chosen_methods(args.methods, args.policy)
     for method in methods:  # warm-up, not recorded: kernels, the allocator, the largest batch's shapes
         measure_level(engine, method, prompts, max(streams), 4)
     levels, exact = [], True
