@@ -1,6 +1,6 @@
 """The engine loop on one GPU: S busy streams of planted requests, the tree against plain decoding.
 
-    python bench/gpu_loop.py --shape qwen2.5-7b+0.5b --out $OUT/gpu_loop.json             # on a GPU machine
+    python bench/gpu_loop.py --shape qwen2.5-7b+0.5b --gate-ab --out $OUT/gpu_loop.json   # on a GPU machine
     python bench/gpu_loop.py --shape tiny --device cpu --dtype float32 --streams 1,2 --tokens 16 \\
         --prompt-tokens 32 --out /tmp/gpu_loop.json                                       # smoke test
 
@@ -15,7 +15,8 @@ produce it (``outputs_follow_the_target``). No tokenizer, no dataset, no Ray: th
 torch and transformers only.
 
 Per level (``--streams``): S busy streams, each sending ``--per-stream`` requests back to back
-(``bench.loop_levels.measure_level``), the methods alternating within each of ``--repeats`` rounds.
+(``bench.loop_levels.measure_level``), the methods alternating within each of ``--repeats`` rounds
+(``--gate-ab``: the tree also with the draft gate off, labelled "tree (no gate)").
 Figures per level and method (``bench.loop_levels.summarise``): aggregate tokens per second and its
 ratio against incremental, TTFT p50, tokens per target pass, draft and verify ms per decode
 iteration, incremental's share of the forward limit (S tokens per pass at the curve's price).
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_common import IdTokenizer, synchronize  # noqa: E402
 from bench.gpu_prefetch import PlantedPair, add_pair_arguments, build_pair, follow  # noqa: E402
-from bench.loop_levels import grouped, level_figures, markdown, measure_level, summarise  # noqa: E402
+from bench.loop_levels import grouped, level_figures, markdown, measure_level, summarise, variants  # noqa: E402
 from bench.machine import with_machine  # noqa: E402
 from bench.workloads import EncodedPrompt, Prompt  # noqa: E402
 from engine.budget import budget_from_curve, measure_target_curve  # noqa: E402
@@ -117,8 +118,8 @@ def run(args: argparse.Namespace) -> dict:
     levels, exact = [], True
     for level in streams:
         synchronize(args.device)
-        runs = [measure_level(engine, method, prompts, level, args.tokens, per_stream=args.per_stream)
-                for _ in range(args.repeats) for method in methods]
+        runs = [measure_level(engine, method, prompts, level, args.tokens, gated, args.per_stream)
+                for _ in range(args.repeats) for method, gated in variants(methods, args.gate_ab)]
         figures = [level_figures(group) for group in grouped(runs)]
         exact &= all(follows_the_target(f, prompts, pair.target_rule, args.tokens) for f in figures)
         print(", ".join(f"{level} streams: {f['method']} {f['aggregate_tokens_per_s']:.1f} tok/s" for f in figures),
@@ -139,6 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help=f"comma-separated, of {sorted(METHODS)}; incremental always runs (the ratios' base)")
     parser.add_argument("--policy", choices=["cost", "schedule"], default="cost",
                         help="tree shapes by measured cost (the default config's) or by the expansion schedule")
+    parser.add_argument("--gate-ab", action="store_true",
+                        help="also run the tree with the draft gate off (\"tree (no gate)\"), right after it")
     parser.add_argument("--per-stream", type=int, default=2, help="requests each stream sends back to back")
     parser.add_argument("--repeats", type=int, default=1, help="rounds per level, every method once a round")
     parser.add_argument("--block-size", type=int, default=16)

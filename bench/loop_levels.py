@@ -79,6 +79,12 @@ def measure_level(engine, method: LevelMethod, workload: Sequence[EncodedPrompt]
     return LevelRun(label, streams, wall_s, tokens, first, seen, outputs)
 
 
+def variants(methods: Sequence[LevelMethod], gate_ab: bool) -> list[tuple[LevelMethod, bool]]:
+    """(method, gated) runs per level: each method with the gate; with ``gate_ab`` every method but
+    the baseline without it too, right after it."""
+    return [(m, gated) for m in methods for gated in ((True, False) if gate_ab and m.spelling != BASELINE else (True,))]
+
+
 def grouped(runs: Sequence[LevelRun]) -> list[list[LevelRun]]:
     """The runs of each (method, level), in the order first met."""
     groups: dict[tuple[str, int], list[LevelRun]] = {}

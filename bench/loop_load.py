@@ -50,8 +50,8 @@ from typing import Sequence
 from engine.budget import measure_target_curve
 from settings.config import load_config
 
-from .loop_levels import grouped, level_figures, markdown, measure_level, summarise
-from .methods import BASELINE, Method, resolve_methods
+from .loop_levels import grouped, level_figures, markdown, measure_level, summarise, variants
+from .methods import Method, resolve_methods
 from .machine import machine
 from .run import environment, load_tokenizer
 from .workloads import EncodedPrompt, load_workload
@@ -78,12 +78,6 @@ def run_levels(engine, methods: Sequence[Method], workload: Sequence[EncodedProm
                                                        for f in these))
         figures += these
     return figures
-
-
-def variants(methods: Sequence[Method], gate_ab: bool) -> list[tuple[Method, bool]]:
-    """(method, gated) runs per level: each method with the gate; with ``gate_ab`` every method but
-    the baseline without it too, right after it."""
-    return [(m, gated) for m in methods for gated in ((True, False) if gate_ab and m.spelling != BASELINE else (True,))]
 
 
 def mean_curve(before: dict[int, float] | None, after: dict[int, float] | None) -> dict[int, float] | None:

@@ -449,7 +449,8 @@ def test_loop_load_runs_every_level_at_once_and_may_disable_speculation_above(di
 
 
 def test_gate_ab_runs_each_speculative_method_without_the_gate_too_and_keeps_the_gate(models):
-    from bench.loop_load import run_level, variants
+    from bench.loop_levels import variants
+    from bench.loop_load import run_level
     from bench.methods import Method
     from bench.workloads import EncodedPrompt, Prompt
 
