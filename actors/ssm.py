@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from settings.config import EngineConfig
-from engine.paged_models import PagedDrafter
+from engine.paged_models import SSM_POOL_SCALE, PagedDrafter
 from engine.cross_vocab import CrossState, CrossVocabDrafter, TranslationCounts
 from engine.draft import ModelDrafter
 from engine.models import LoadedModel, load_header
@@ -98,7 +98,8 @@ class SSMActor(HoldsRequests):
             drafter = CrossVocabDrafter(loaded.model, loaded.tokenizer, target.tokenizer, self.index, self.name)
             return drafter, vocabulary(target)
         if self.paged:
-            pool, batcher = batching_parts(config, loaded.model, lambda: len(self.store), scale=1.25, burst=False)
+            pool, batcher = batching_parts(config, loaded.model, lambda: len(self.store), scale=SSM_POOL_SCALE,
+                                           burst=False)
             return PagedDrafter(loaded.model, self.index, self.name, pool, batcher), vocabulary(loaded)
         return ModelDrafter(loaded.model, self.index, self.name), vocabulary(loaded)
 

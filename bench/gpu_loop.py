@@ -41,14 +41,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_common import IdTokenizer, synchronize  # noqa: E402
-from bench.gpu_prefetch import PlantedPair, add_pair_arguments, build_pair, follow  # noqa: E402
+from bench.gpu_prefetch import PlantedPair, add_pair_arguments, build_pair, follow, random_prompts  # noqa: E402
 from bench.loop_levels import grouped, level_figures, markdown, measure_level, summarise, variants  # noqa: E402
 from bench.machine import with_machine  # noqa: E402
 from bench.workloads import EncodedPrompt, Prompt  # noqa: E402
 from engine.budget import budget_from_curve, measure_target_curve  # noqa: E402
 from engine.generate import SpeculativeEngine  # noqa: E402
 from engine.loop import LoopLimits  # noqa: E402
-from engine.paged_models import PagedDrafter, PagedTarget, paged_parts  # noqa: E402
+from engine.paged_models import paged_drafter, paged_target  # noqa: E402
 from engine.requests import SpeculationOptions  # noqa: E402
 from engine.shape import TreeCost  # noqa: E402
 
@@ -71,13 +71,12 @@ class PlantedMethod(NamedTuple):
 
 
 def loop_engine(pair: PlantedPair, most: int, args: argparse.Namespace) -> tuple[SpeculativeEngine, dict]:
-    """The batched engine over the pair for up to ``most`` running requests, and its verify-cost
-    curve (tokens per pass -> ms)."""
+    """The batched engine over the pair for up to ``most`` running requests (as
+    ``cluster.build.build_engine(config, batched=True)`` makes it), and its verify-cost curve (tokens
+    per pass -> ms)."""
     slots = most * (args.prompt_tokens + args.tokens + TREE_ROOM)
-    pool, batcher = paged_parts(pair.target, slots, args.block_size)
-    target = PagedTarget(pair.target, pool, batcher)
-    ssm_pool, ssm_batcher = paged_parts(pair.ssm, int(slots * 1.25), args.block_size, chunk_tokens=args.chunk_tokens)
-    drafter = PagedDrafter(pair.ssm, 0, "ssm", ssm_pool, ssm_batcher)
+    target = paged_target(pair.target, slots, args.block_size)
+    drafter = paged_drafter(pair.ssm, 0, "ssm", slots, args.block_size, args.chunk_tokens)
     curve = measure_target_curve(target, args.curve_max_tokens, float("inf"))
     cost = TreeCost(tuple(sorted(curve.items())), COST["beam"], COST["branch"], COST["max_depth"])
     budget = budget_from_curve(curve, BUDGET_SLACK, MIN_TREE_NODES).per_request
@@ -87,10 +86,8 @@ def loop_engine(pair: PlantedPair, most: int, args: argparse.Namespace) -> tuple
 
 
 def planted_prompts(pair: PlantedPair, count: int, tokens: int, seed: int) -> list[EncodedPrompt]:
-    generator = torch.Generator().manual_seed(seed)
-    return [EncodedPrompt(Prompt(str(i), ""), tuple(torch.randint(0, pair.vocab_size, (tokens,),
-                                                                  generator=generator).tolist()))
-            for i in range(count)]
+    return [EncodedPrompt(Prompt(str(i), ""), tuple(ids))
+            for i, ids in enumerate(random_prompts(pair.vocab_size, count, tokens, seed))]
 
 
 def follows_the_target(level: dict, prompts: list[EncodedPrompt], rule: torch.Tensor, tokens: int) -> bool:

@@ -153,6 +153,13 @@ def build_pair(args: argparse.Namespace, seed: int) -> PlantedPair:
                        target_rule, dtype, target_config["vocab_size"])
 
 
+def random_prompts(vocab_size: int, count: int, tokens: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of ``tokens`` ids drawn uniformly from the vocabulary (a planted pair follows
+    its rule whatever the prompt), the same for the same seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (tokens,), generator=generator).tolist() for _ in range(count)]
+
+
 def graphed_engine(target, ssm, capacity: int) -> SpeculativeEngine:
     """The in-process engine over CUDA graphs (``engine.graphs``; eager on the CPU), one SSM."""
     return SpeculativeEngine(GraphedTarget(GraphRunner(target, capacity)),
@@ -249,9 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
         engines.update({method: graphed for method in methods if method in GRAPHED})
     capture_s = time.perf_counter() - began
     expansion = tuple(int(k) for k in args.expansion.split(","))
-    generator = torch.Generator().manual_seed(args.seed + 3)
-    prompts = [torch.randint(0, pair.vocab_size, (args.prompt_tokens,), generator=generator).tolist()
-               for _ in range(args.prompts)]
+    prompts = random_prompts(pair.vocab_size, args.prompts, args.prompt_tokens, args.seed + 3)
     for method in methods:  # warm-up: kernels, allocator, the prefetch thread
         run_one(engines[method], method, prompts[0][:16], 8, expansion, args.prefetch, args.device)
     rows = []

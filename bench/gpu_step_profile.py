@@ -34,7 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_common import IdTokenizer, synchronize  # noqa: E402
-from bench.gpu_prefetch import add_pair_arguments, buffer_slots, build_pair, graphed_engine, options  # noqa: E402
+from bench.gpu_prefetch import (add_pair_arguments, buffer_slots, build_pair, graphed_engine, options,  # noqa: E402
+                                random_prompts)
 from engine import draft as draft_module  # noqa: E402
 from engine import generate as generate_module  # noqa: E402
 from engine import step as step_module  # noqa: E402
@@ -190,8 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine = graphed_engine(target, ssm, buffer_slots(args.prompt_tokens, args.tokens))
     else:
         engine = SpeculativeEngine(TargetModel(target), [ModelDrafter(ssm, 0, "ssm")], IdTokenizer(), set())
-    prompt = torch.randint(0, pair.vocab_size, (args.prompt_tokens,),
-                           generator=torch.Generator().manual_seed(3)).tolist()
+    prompt = random_prompts(pair.vocab_size, 1, args.prompt_tokens, 3)[0]
     expansion = tuple(int(k) for k in args.expansion.split(","))
     request = GenerationRequest(tuple(prompt), args.tokens, speculation=options("tree", expansion, 0))
     plain = GenerationRequest(tuple(prompt), args.tokens, speculation=options("incremental", expansion, 0))

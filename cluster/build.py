@@ -18,7 +18,7 @@ from engine.draft import ModelDrafter
 from engine.budget import budget_from_curve, measure_target_curve
 from engine.generate import SpeculativeEngine
 from engine.loop import LoopLimits
-from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
+from engine.paged_models import PagedTarget, paged_drafter, paged_target
 from engine.graphed_models import GraphedDrafter, GraphedTarget
 from engine.graphs import GraphRunner, graphable
 from engine.target import TargetModel
@@ -114,8 +114,7 @@ def _paged_target(config: EngineConfig, target_model: TargetModel) -> PagedTarge
     if not isinstance(target_model, TargetModel):
         raise ValueError("a batched in-process engine needs the one-rank target (verifier.tensor_parallel_size: 1)")
     b = config.server.batching
-    pool, batcher = paged_parts(target_model.model, b.kv_cache_tokens, b.block_size)
-    return PagedTarget(target_model.model, pool, batcher)
+    return paged_target(target_model.model, b.kv_cache_tokens, b.block_size)
 
 
 def _drafter(config: EngineConfig, model, index: int, name: str, graphs: int, batched: bool):
@@ -126,8 +125,7 @@ def _drafter(config: EngineConfig, model, index: int, name: str, graphs: int, ba
     if not batched:
         return ModelDrafter(model, index, name)
     b = config.server.batching
-    pool, batcher = paged_parts(model, int(b.kv_cache_tokens * 1.25), b.block_size, chunk_tokens=b.prefill_chunk_tokens)
-    return PagedDrafter(model, index, name, pool, batcher)
+    return paged_drafter(model, index, name, b.kv_cache_tokens, b.block_size, b.prefill_chunk_tokens)
 
 
 def _limits(config: EngineConfig, batched: bool) -> LoopLimits | None:

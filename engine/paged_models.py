@@ -172,6 +172,23 @@ def paged_parts(model, tokens: int, block_size: int = 16, waits: BatchWaits = Ba
     return pool, ForwardBatcher(PagedModel(model, pool), waits, expected, chunk_tokens)
 
 
+# An SSM's pool against the target's: its requests' contexts plus the levels its drafts feed.
+SSM_POOL_SCALE = 1.25
+
+
+def paged_target(model, tokens: int, block_size: int = 16) -> PagedTarget:
+    """The target over a pool of ``tokens`` slots, in this process (the batched in-process engine)."""
+    pool, batcher = paged_parts(model, tokens, block_size)
+    return PagedTarget(model, pool, batcher)
+
+
+def paged_drafter(model, proposer: int, name: str, target_tokens: int, block_size: int = 16,
+                  chunk_tokens: int | None = None) -> PagedDrafter:
+    """An SSM drafting over its own pool, ``SSM_POOL_SCALE`` x the target's ``target_tokens`` slots."""
+    pool, batcher = paged_parts(model, int(target_tokens * SSM_POOL_SCALE), block_size, chunk_tokens=chunk_tokens)
+    return PagedDrafter(model, proposer, name, pool, batcher)
+
+
 def forward_or_raise(model: PackedModel, items: list[ForwardItem]) -> list[torch.Tensor]:  # -> per item [r, V]
     """One packed forward; the first item's own error is raised (that item did not run)."""
     results = model.forward(items)

@@ -743,7 +743,23 @@ def test_gpu_loop_runs_on_cpu_tiny_and_every_request_follows_the_target(tmp_path
     assert all(levels["incremental", s]["vs_incremental"] == 1.0 for s in (1, 3))
     assert levels["incremental", 3]["new_tokens"] == 3 * 2 * 12  # 3 streams x 2 requests each x 12 tokens
     assert levels["tree", 1]["tokens_per_pass"] > 1.0
+    tree, plain = levels["tree", 3], levels["incremental", 3]
+    assert tree["vs_incremental"] == pytest.approx(tree["aggregate_tokens_per_s"] / plain["aggregate_tokens_per_s"])
     assert json.loads((tmp_path / "l.json").read_text())["machine"]
+
+
+def test_gpu_loop_runs_the_default_configs_tree():
+    """bench/gpu_loop.py copies configs/default.yaml's tree, cost model and tree budget (the GPU
+    machine lacks pydantic to read the config): the copy stays the config's."""
+    from cluster.build import speculation_options
+    from settings.config import load_config
+
+    gpu_loop = _bench_script("gpu_loop")
+    config = load_config(str(Path(__file__).resolve().parent.parent / "configs" / "default.yaml"))
+    cost, budget = config.speculation.cost, config.server.tree_budget
+    assert gpu_loop.TREE == speculation_options(config)
+    assert gpu_loop.COST == {"beam": cost.beam, "branch": cost.branch, "max_depth": cost.max_depth}
+    assert (gpu_loop.BUDGET_SLACK, gpu_loop.MIN_TREE_NODES) == (budget.slack, budget.min_tree_nodes)
 
 
 @pytest.mark.parametrize("third,follows", [([1, 2, 3], True), ([2, 3, 0], False)])
