@@ -731,8 +731,8 @@ def test_gpu_prefetch_default_pair_shape(tmp_path):
 def test_gpu_loop_runs_on_cpu_tiny_and_every_request_follows_the_target(tmp_path):
     """bench/gpu_loop.py (the engine loop on a GPU) on CPU with the tiny pair: at 1 and 3 busy streams
     every request of every variant (the tree with and without the draft gate) emits the target's
-    planted greedy output, the tree drafted (more than one token a pass), and the ratios are against
-    incremental."""
+    planted greedy output, the tree without the gate drafted (more than one token a pass: the gated
+    one may sit out, by the passes' measured ms), and the ratios are against incremental."""
     result = _bench_script("gpu_loop").main([
         "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--streams", "1,3", "--tokens", "12",
         "--prompt-tokens", "24", "--policy", "schedule", "--agreement", "1.0", "--gate-ab",
@@ -742,7 +742,7 @@ def test_gpu_loop_runs_on_cpu_tiny_and_every_request_follows_the_target(tmp_path
     assert sorted(levels) == [(m, s) for m in ("incremental", "tree", "tree (no gate)") for s in (1, 3)]
     assert all(levels["incremental", s]["vs_incremental"] == 1.0 for s in (1, 3))
     assert levels["incremental", 3]["new_tokens"] == 3 * 2 * 12  # 3 streams x 2 requests each x 12 tokens
-    assert levels["tree", 1]["tokens_per_pass"] > 1.0
+    assert levels["tree (no gate)", 1]["tokens_per_pass"] > 1.0  # ungated: its drafting is not up to timings
     tree, plain = levels["tree", 3], levels["incremental", 3]
     assert tree["vs_incremental"] == pytest.approx(tree["aggregate_tokens_per_s"] / plain["aggregate_tokens_per_s"])
     assert json.loads((tmp_path / "l.json").read_text())["machine"]
