@@ -12,7 +12,9 @@ iteration (the requests that began drafting lacked at most ``STEADY_LAG`` tokens
 no prompt chunk in the pass, which would make a few drafted tokens look free) the gate measures what the drafting
 bought against plain decoding (``drafting_pays``): the plain pass priced by the verify-cost curve
 until a verdict comes out close to 1, then measured in *control* iterations that do not draft
-(``CONTROL_EVERY``). A pass with prompt chunks drafts only at a load where drafting pays. A
+(``CONTROL_EVERY``), and before any verdict that a ``PRICE_ERROR`` in that price would turn
+(``hangs_on_price``): its samples wait for a control and are priced by it. A pass with prompt chunks
+drafts only at a load where drafting pays. A
 verdict pools its samples (``pooled_pays``: their accepted tokens over the plain tokens their
 drafting's ms would have bought) once they hold ``MIN_DRAFTED`` drafted tokens (at least
 ``SAMPLES`` of them, at most ``MAX_SAMPLES``): one request's iteration drafts 0-10 tokens, too few
@@ -67,6 +69,13 @@ FADE = 0.5  # ``keep`` of the gate's moving averages (catch-up, draft and saving
 # request whose drafting buys tokens at 2x the plain rate, say) spends no iteration on a control.
 CONTROL_EVERY = 16
 PREDICTION_MARGIN = 1.25  # a ratio this far from 1 (either way) is clear: acted on without a probe, fewer controls
+# How far a load's plain pass may have moved since it was last measured: a verdict that this much
+# either way would turn waits for a control (``hangs_on_price``). Where the plain pass costs several
+# times the drafting (16 busy streams, float32 on an AVX2-capped 2-core EPYC: plain 545 ms, drafting
+# 90 ms of draft and ~70 of extra verify) a 10% error swings the verdict 2x (replayed samples: plain
+# priced at 601 / 575 / 544 / 523 ms -> 2.14 / 1.52 / 1.09 / 0.91), and the box's plain pass moved
+# 10-15% between runs and with the running requests' contexts within one.
+PRICE_ERROR = 0.1
 # Each losing verdict in a row sits out this many times longer. A probe costs its catch-up and a few
 # iterations of drafting that does not pay; doubling (1, 2, 4, ... 32), a load where drafting never
 # paid spent a fifth of a 130-iteration level probing (default pair, 8 busy streams, served at 0.93x
@@ -163,12 +172,13 @@ def saving_per_token(sample: Sample, cost: TreeCost, drafters: int, plain_scale:
     return plain_ms(sample, cost, plain_scale) / sample.decoding * (1.0 - 1.0 / ratio) * accepted / (1.0 + accepted)
 
 
-def forgone(sample: Sample, cost: TreeCost, plain_scale: float | None = None) -> float:
+def forgone(sample: Sample, cost: TreeCost, plain_scale: float | None = None, price: float = 1.0) -> float:
     """The tokens a plain pass would have emitted in the ms the iteration's drafting cost: the draft
-    phase and the verify time of the drafted tokens (the pass less ``plain_ms``), at the batch's
-    plain rate (decoding requests per ``plain_ms``); negative where the pass took less than its
-    plain price. Example: ``drafting_pays``' -> 134.1 ms x 8 / 95.9 = 11.19 tokens."""
-    plain = plain_ms(sample, cost, plain_scale)
+    phase and the verify time of the drafted tokens (the pass less ``plain_ms``, times ``price``), at
+    the batch's plain rate (decoding requests per that plain pass); negative where the pass took less
+    than its plain price. Example: ``drafting_pays``' -> 134.1 ms x 8 / 95.9 = 11.19 tokens; with
+    ``price`` 0.9: (230 - 86.3) x 8 / 86.3 = 13.32."""
+    plain = price * plain_ms(sample, cost, plain_scale)
     return (sample.draft_ms + sample.verify_ms - plain) * sample.decoding / plain
 
 
@@ -194,6 +204,22 @@ def pooled_pays(samples: Sequence[tuple[int, float]]) -> float:
     return accepted / cost
 
 
+def hangs_on_price(samples: Sequence[Sample], cost: TreeCost, plain_scale: float | None = None) -> bool:
+    """Whether the samples' pooled verdict (``pooled_pays``) is the price's, not the drafting's: it
+    comes out on either side of 1 with their plain pass priced ``PRICE_ERROR`` lower or higher
+    (``forgone``'s ``price``), or the drafting looks free (its passes took less than the higher price).
+
+    Example: the curve of ``drafting_pays``' example, plain scale 1.0, one sample of 8 decoding, 8
+    drafted, 4 accepted, draft 10 ms, verify 100 ms: plain 88 ms, forgone 2.0 tokens, verdict 2.0;
+    priced at 79.2 ms 3.11 tokens (1.29), at 96.8 ms 1.09 (3.67): it holds. With 2 accepted the
+    verdict is 1.0 and the prices give 0.64 and 1.83: it hangs on the price. With 4 accepted and 80 ms
+    in all (cheaper than 96.8): it hangs."""
+    def verdict(price: float) -> float:
+        return pooled_pays([(s.accepted, forgone(s, cost, plain_scale, price)) for s in samples])
+    low, high = verdict(1.0 - PRICE_ERROR), verdict(1.0 + PRICE_ERROR)
+    return (low >= 1.0) != (high >= 1.0) or math.isinf(high)
+
+
 def bucket(running: int) -> int:
     """The load a running count belongs to: its nearest power of two (in log scale), so that 7 running,
     a request of 8 having finished, is the load of 8, not of 4. 1 -> 0, 2 -> 1, 3-5 -> 2, 6-11 -> 3,
@@ -214,12 +240,14 @@ class Load:
     limit: int = START_LIMIT
     wait: int = 0  # iterations the next sit-out lasts
     left: int = 0  # iterations of the current sit-out still to go
-    samples: list[tuple[int, int, float]] = field(default_factory=list)  # (drafted, accepted, forgone) each
+    samples: list[Sample] = field(default_factory=list)  # steady iterations not yet judged
     ratio: float | None = None
     draft_ms: float | None = None  # faded draft ms per drafter in steady iterations
     saving_ms: float | None = None  # faded ``saving_per_token``
     plain_scale: float | None = None  # faded plain pass ms against the curve's (no drafts, no prompt chunks)
     since_control: int = 0  # iterations that could draft since the last control
+    awaits_price: bool = False  # ``samples`` hang on the plain pass's price: a control is due
+    priced_after: bool = False  # a plain pass was measured since the first of ``samples``
 
     @property
     def pays(self) -> bool | None:
@@ -238,21 +266,37 @@ class Load:
     @property
     def control_due(self) -> bool:
         """The next clean iteration that could draft is a control: ``control_every`` drafting
-        iterations since the last, or a close verdict priced without a measured plain pass."""
+        iterations since the last, a close verdict priced without a measured plain pass, or samples
+        waiting for one (``awaits_price``)."""
         close = self.ratio is not None and not self.clear
-        return self.since_control >= self.control_every or (self.plain_scale is None and close)
+        waiting = self.awaits_price and not self.priced_after
+        return self.since_control >= self.control_every or (self.plain_scale is None and close) or waiting
 
-    def decide(self, sample: tuple[int, int, float], bound: bool, most: int, max_wait: int) -> None:
-        """One steady iteration's (drafted, accepted, ``forgone``) tokens; a verdict once the samples
-        so far hold ``MIN_DRAFTED`` drafted tokens, cost ``MIN_FORGONE`` plain tokens or number
-        ``MAX_SAMPLES``, ``SAMPLES`` at least."""
+    def priced(self, scale: float) -> None:
+        """A plain pass was measured at ``scale`` times the curve's price: ``plain_scale`` fades
+        towards it, or becomes it where the samples held wait for it (the old price is in doubt)."""
+        waited = self.awaits_price and not self.priced_after
+        self.plain_scale = scale if waited else moving_average(self.plain_scale, scale, FADE)
+        self.priced_after = bool(self.samples)
+
+    def decide(self, sample: Sample, cost: TreeCost, bound: bool, most: int, max_wait: int) -> None:
+        """One steady iteration; a verdict once the samples so far hold ``MIN_DRAFTED`` drafted
+        tokens, cost ``MIN_FORGONE`` plain tokens (``forgone`` at ``plain_scale``) or number
+        ``MAX_SAMPLES``, ``SAMPLES`` at least, and, where the verdict hangs on the plain pass's price
+        (``hangs_on_price``), once a plain pass was measured after them (twice ``MAX_SAMPLES`` wait
+        at most): then all of them are priced by it."""
         self.samples.append(sample)
-        drafted, cost = sum(d for d, _, _ in self.samples), sum(f for _, _, f in self.samples)
-        enough = drafted >= MIN_DRAFTED or cost >= MIN_FORGONE or len(self.samples) >= MAX_SAMPLES
+        tokens = [(s.accepted, forgone(s, cost, self.plain_scale)) for s in self.samples]
+        drafted, spent = sum(s.drafted for s in self.samples), sum(f for _, f in tokens)
+        enough = drafted >= MIN_DRAFTED or spent >= MIN_FORGONE or len(self.samples) >= MAX_SAMPLES
         if len(self.samples) < SAMPLES or not enough:
             return
-        self.ratio = pooled_pays([(a, f) for _, a, f in self.samples])
-        self.samples = []
+        self.awaits_price = not self.priced_after and len(self.samples) < 2 * MAX_SAMPLES \
+            and hangs_on_price(self.samples, cost, self.plain_scale)
+        if self.awaits_price:
+            return
+        self.ratio = pooled_pays(tokens)
+        self.samples, self.priced_after = [], False
         if self.pays:
             if self.clear:  # a close verdict keeps the sit-out's length: one lucky pair of samples at a
                 self.wait = 0  # load that loses would otherwise bring back probes every other iteration
@@ -348,15 +392,14 @@ class DraftGate:
         if not drafters:  # a plain pass (model-free proposers' tokens aside): its cost against the curve's
             if sample.decoding and sample.clean:
                 scale = sample.verify_ms / self.cost.verify(sample.pass_tokens)
-                load.plain_scale = moving_average(load.plain_scale, scale, FADE)
+                load.priced(scale)
             return
         if steady and sample.clean:
             scale = load.plain_scale
             saving = saving_per_token(sample, self.cost, len(drafters), scale)
             load.draft_ms = moving_average(load.draft_ms, sample.draft_ms / len(drafters), FADE)
             load.saving_ms = moving_average(load.saving_ms, saving, FADE)
-            load.decide((sample.drafted, sample.accepted, forgone(sample, self.cost, scale)),
-                        len(drafters) >= load.limit, self.most, self.max_wait)
+            load.decide(sample, self.cost, len(drafters) >= load.limit, self.most, self.max_wait)
         elif sample.catch_up >= MIN_CATCH_UP and load.draft_ms is not None:
             extra = max(0.0, sample.draft_ms - load.draft_ms * len(drafters))
             self.catch_up_ms = moving_average(self.catch_up_ms, extra / sample.catch_up, FADE)

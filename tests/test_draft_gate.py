@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import engine.draft_gate as draft_gate
 from engine.draft_gate import (CONTROL_EVERY, MAX_SAMPLES, SAMPLES, Candidate, DraftGate, Load, Sample, bucket,
-                               drafting_pays, forgone, joins, plain_ms, pooled_pays, saving_per_token)
+                               drafting_pays, forgone, hangs_on_price, joins, plain_ms, pooled_pays,
+                               saving_per_token)
 from engine.paged_models import PagedDrafter, PagedTarget, paged_parts
 from engine.phases import local_loop
 from engine.requests import GenerationRequest, SpeculationOptions
@@ -129,22 +130,80 @@ def test_pooled_pays(samples, expected):
     assert pooled_pays(samples) == pytest.approx(expected)
 
 
+def one_running(drafted: int, accepted: float, forgone_tokens: float) -> Sample:
+    """A steady iteration of one decoding request that forgoes ``forgone_tokens`` plain tokens at a
+    plain scale of 1.0 (its plain pass: the curve's 70 ms for 1 token)."""
+    return Sample(1, drafted, accepted, 0, 70.0 * forgone_tokens, 70.0)
+
+
+def decide(load: Load, sample: Sample, bound: bool = False) -> None:
+    load.decide(sample, CURVE, bound=bound, most=8, max_wait=32)
+
+
 def test_a_verdict_waits_for_enough_drafted_tokens():
     """One request's iterations draft a few tokens each: the verdict pools them until MIN_DRAFTED
     (at most MAX_SAMPLES iterations), so one unlucky iteration does not close the load."""
     load = Load(plain_scale=1.0)
     for sample in [(4, 0, 1.0), (4, 1, 1.0), (4, 3, 1.0)]:  # the first two alone would give 0.5
-        load.decide(sample, bound=False, most=8, max_wait=32)
+        decide(load, one_running(*sample))
         assert load.ratio is None
-    load.decide((5, 2, 1.0), bound=False, most=8, max_wait=32)
+    decide(load, one_running(5, 2, 1.0))
     assert load.ratio == pytest.approx(1.5) and load.samples == []
     for _ in range(MAX_SAMPLES):  # nothing drafted, little spent: a verdict after MAX_SAMPLES all the same
-        load.decide((0, 0, 0.25), bound=False, most=8, max_wait=32)
+        decide(load, one_running(0, 0, 0.25))
     assert load.ratio == 0.0 and load.left == 1
     load.left = 0
     for _ in range(2):  # drafting that keeps no node at a dear load: judged as soon as it cost MIN_FORGONE
-        load.decide((0, 0, 2.0), bound=False, most=8, max_wait=32)
+        decide(load, one_running(0, 0, 2.0))
     assert load.ratio == 0.0 and load.left == 4  # the second loss in a row: SIT_OUT_GROWTH x the first
+
+
+@pytest.mark.parametrize("accepted, expected", [
+    (4, False),  # the docstring's example: 2.0, and 1.29 / 3.67 with the plain pass 10% cheaper / dearer
+    (2, True),  # 1.0: 0.64 / 1.83
+    (0, False),  # nothing accepted: 0 at any price
+    (-4, True),  # the docstring's 4 accepted in 80 ms: free at the dearer price
+])
+def test_hangs_on_price(accepted, expected):
+    spent = 80.0 if accepted < 0 else 110.0
+    sample = Sample(8, 8, abs(accepted), 0, 10.0, spent - 10.0)
+    assert hangs_on_price([sample], CURVE, 1.0) is expected
+    assert hangs_on_price([sample, sample], CURVE, 1.0) is expected  # pooled: the same ratio
+
+
+def test_a_verdict_that_hangs_on_the_plain_price_waits_for_a_control_and_is_priced_by_it():
+    """8 running, the plain pass last measured at 1.2x the curve (105.6 ms), but the passes now run
+    at the curve's 88 ms: two drafting iterations of 8 drafted, 1 accepted, 100 ms each look free at
+    the stale price: no verdict, the next clean iteration is a control; it measures 88 ms (scale 1.0,
+    not faded: the old price was in doubt) and the next steady iteration brings the verdict, all
+    three priced at it: 3 x 1 / (3 x 12 x 8 / 88) = 0.92 (it loses; at the stale price: inf)."""
+    gate = DraftGate(CURVE, most=8, loads={bucket(8): Load(limit=8, plain_scale=1.2, ratio=1.5)})
+    drafting, load = [Candidate(i, 0, 64, True) for i in range(8)], gate.loads[bucket(8)]
+    gate.drafters = frozenset(range(8))
+    for _ in range(2):
+        assert gate.choose(drafting, 8) == frozenset(range(8))
+        gate.observe(frozenset(range(8)), Sample(8, 8, 1, 0, 10.0, 90.0))
+    assert len(load.samples) == 2 and load.awaits_price and load.control_due and load.ratio == 1.5
+    assert gate.choose(drafting, 8) == frozenset()  # the control
+    gate.observe(frozenset(), Sample(8, 0, 0, 0, 0.0, 88.0))
+    assert load.plain_scale == 1.0 and not load.control_due
+    assert gate.choose(drafting, 8) == frozenset(range(8))
+    gate.observe(frozenset(range(8)), Sample(8, 8, 1, 0, 10.0, 90.0))
+    assert load.ratio == pytest.approx(3 / (3 * 12 * 8 / 88)) and load.samples == []
+    assert not load.awaits_price and not load.priced_after
+    gate.observe(frozenset(), Sample(8, 0, 0, 0, 0.0, 96.8))  # a later plain pass fades in
+    assert load.plain_scale == pytest.approx(1.05)
+
+
+def test_a_verdict_waits_for_a_plain_price_at_most_twice_max_samples():
+    load = Load(plain_scale=1.0)
+    hanging = Sample(8, 8, 2, 0, 10.0, 100.0)  # 1.0 at the price, 0.64 / 1.83 at 10% either way
+    decide(load, hanging)  # one sample: no verdict yet (SAMPLES)
+    for _ in range(2 * MAX_SAMPLES - 2):
+        decide(load, hanging)
+        assert load.ratio is None and load.awaits_price
+    decide(load, hanging)
+    assert load.ratio == pytest.approx(1.0) and not load.awaits_price
 
 
 @given(st.integers(1, 32), st.integers(0, 64), st.floats(1.0, 500.0), st.floats(1.0, 500.0))
@@ -220,11 +279,12 @@ def test_losing_halves_the_limit_down_to_a_probe_then_sits_out_ever_longer():
 def test_only_a_clear_verdict_that_drafting_pays_starts_the_sit_outs_over():
     """Lose twice (sit out 1, then 4), pay by a close 1.1 (the limit doubles), lose twice (the limit
     halves, then a sit-out of 16, not 1); a clear 2.0 starts them over."""
-    load, waits = Load(), []
+    load, waits = Load(plain_scale=1.0), []
 
     def verdict(ratio: float) -> None:
         for _ in range(SAMPLES):
-            load.decide((16, ratio * 10, 10.0), True, 8, 32)
+            decide(load, one_running(16, ratio * 10, 10.0), bound=True)
+            load.priced(1.0)  # a control came after the first (1.1 hangs on the plain price)
         waits.append(load.wait)
     for ratio in (0.5, 0.5, 1.1, 0.5, 0.5, 2.0):
         verdict(ratio)
