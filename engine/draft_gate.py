@@ -13,7 +13,7 @@ no prompt chunk in the pass, which would make a few drafted tokens look free) th
 bought against plain decoding (``drafting_pays``): the plain pass priced by the verify-cost curve
 until a verdict comes out close to 1, then measured in *control* iterations that do not draft
 (``CONTROL_EVERY``), and before any verdict that a ``PRICE_ERROR`` in that price would turn
-(``hangs_on_price``): its samples wait for a control and are priced by it. A pass with prompt chunks
+(``hangs_on_price``): its samples wait for a control, which prices them with the one before. A pass with prompt chunks
 drafts only at a load where drafting pays. A
 verdict pools its samples (``pooled_pays``: their accepted tokens over the plain tokens their
 drafting's ms would have bought) once they hold ``MIN_DRAFTED`` drafted tokens (at least
@@ -274,9 +274,10 @@ class Load:
 
     def priced(self, scale: float) -> None:
         """A plain pass was measured at ``scale`` times the curve's price: ``plain_scale`` fades
-        towards it, or becomes it where the samples held wait for it (the old price is in doubt)."""
-        waited = self.awaits_price and not self.priced_after
-        self.plain_scale = scale if waited else moving_average(self.plain_scale, scale, FADE)
+        towards it (with ``FADE`` 0.5, samples held for it are priced by the mean of the controls
+        before and after them; one pass alone is too noisy: a 5% error moves a verdict that hangs on
+        the price by over 10%)."""
+        self.plain_scale = moving_average(self.plain_scale, scale, FADE)
         self.priced_after = bool(self.samples)
 
     def decide(self, sample: Sample, cost: TreeCost, bound: bool, most: int, max_wait: int) -> None:

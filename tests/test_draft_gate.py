@@ -172,27 +172,26 @@ def test_hangs_on_price(accepted, expected):
 
 
 def test_a_verdict_that_hangs_on_the_plain_price_waits_for_a_control_and_is_priced_by_it():
-    """8 running, the plain pass last measured at 1.2x the curve (105.6 ms), but the passes now run
+    """8 running, the plain pass last measured at 1.3x the curve (114.4 ms), but the passes now run
     at the curve's 88 ms: two drafting iterations of 8 drafted, 1 accepted, 100 ms each look free at
-    the stale price: no verdict, the next clean iteration is a control; it measures 88 ms (scale 1.0,
-    not faded: the old price was in doubt) and the next steady iteration brings the verdict, all
-    three priced at it: 3 x 1 / (3 x 12 x 8 / 88) = 0.92 (it loses; at the stale price: inf)."""
-    gate = DraftGate(CURVE, most=8, loads={bucket(8): Load(limit=8, plain_scale=1.2, ratio=1.5)})
+    the stale price: no verdict, the next clean iteration is a control; it measures 88 ms (the
+    price fades to 1.15x: 101.2 ms) and the next steady iteration's verdict prices all three at it:
+    3 x 1 / (3 x 8.8 x 8 / 101.2) = 1.44 (at the stale price: inf; at 88 ms it would be 0.5). Half
+    the old price stays, but from then on each close verdict comes with a control of its own."""
+    gate = DraftGate(CURVE, most=8, loads={bucket(8): Load(limit=8, plain_scale=1.3, ratio=1.5)})
     drafting, load = [Candidate(i, 0, 64, True) for i in range(8)], gate.loads[bucket(8)]
     gate.drafters = frozenset(range(8))
     for _ in range(2):
         assert gate.choose(drafting, 8) == frozenset(range(8))
-        gate.observe(frozenset(range(8)), Sample(8, 8, 1, 0, 10.0, 90.0))
+        gate.observe(frozenset(range(8)), Sample(8, 8, 1, 0, 10.0, 100.0))
     assert len(load.samples) == 2 and load.awaits_price and load.control_due and load.ratio == 1.5
     assert gate.choose(drafting, 8) == frozenset()  # the control
     gate.observe(frozenset(), Sample(8, 0, 0, 0, 0.0, 88.0))
-    assert load.plain_scale == 1.0 and not load.control_due
+    assert load.plain_scale == pytest.approx(1.15) and not load.control_due
     assert gate.choose(drafting, 8) == frozenset(range(8))
-    gate.observe(frozenset(range(8)), Sample(8, 8, 1, 0, 10.0, 90.0))
-    assert load.ratio == pytest.approx(3 / (3 * 12 * 8 / 88)) and load.samples == []
+    gate.observe(frozenset(range(8)), Sample(8, 8, 1, 0, 10.0, 100.0))
+    assert load.ratio == pytest.approx(3 / (3 * 8.8 * 8 / 101.2)) and load.samples == []
     assert not load.awaits_price and not load.priced_after
-    gate.observe(frozenset(), Sample(8, 0, 0, 0, 0.0, 96.8))  # a later plain pass fades in
-    assert load.plain_scale == pytest.approx(1.05)
 
 
 def test_a_verdict_waits_for_a_plain_price_at_most_twice_max_samples():
