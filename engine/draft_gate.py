@@ -246,7 +246,7 @@ class Load:
     saving_ms: float | None = None  # faded ``saving_per_token``
     plain_scale: float | None = None  # faded plain pass ms against the curve's (no drafts, no prompt chunks)
     since_control: int = 0  # iterations that could draft since the last control
-    awaits_price: bool = False  # ``samples`` hang on the plain pass's price: a control is due
+    awaits_price: bool = False  # ``samples`` hang on the plain pass's price: a control is due (until one runs)
     priced_after: bool = False  # a plain pass was measured since the first of ``samples``
 
     @property
@@ -269,8 +269,7 @@ class Load:
         iterations since the last, a close verdict priced without a measured plain pass, or samples
         waiting for one (``awaits_price``)."""
         close = self.ratio is not None and not self.clear
-        waiting = self.awaits_price and not self.priced_after
-        return self.since_control >= self.control_every or (self.plain_scale is None and close) or waiting
+        return self.since_control >= self.control_every or (self.plain_scale is None and close) or self.awaits_price
 
     def priced(self, scale: float) -> None:
         """A plain pass was measured at ``scale`` times the curve's price: ``plain_scale`` fades
@@ -278,7 +277,7 @@ class Load:
         before and after them). Not replaced by it: priced by one pass alone, verdicts opened the
         gate at 8 and 16 bf16 streams where drafting lost (0.97x and 0.94x incremental)."""
         self.plain_scale = moving_average(self.plain_scale, scale, FADE)
-        self.priced_after = bool(self.samples)
+        self.priced_after, self.awaits_price = bool(self.samples), False
 
     def decide(self, sample: Sample, cost: TreeCost, bound: bool, most: int, max_wait: int) -> None:
         """One steady iteration; a verdict once the samples so far hold ``MIN_DRAFTED`` drafted

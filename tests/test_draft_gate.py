@@ -158,15 +158,14 @@ def test_a_verdict_waits_for_enough_drafted_tokens():
     assert load.ratio == 0.0 and load.left == 4  # the second loss in a row: SIT_OUT_GROWTH x the first
 
 
-@pytest.mark.parametrize("accepted, expected", [
-    (4, False),  # the docstring's example: 2.0, and 1.29 / 3.67 with the plain pass 10% cheaper / dearer
-    (2, True),  # 1.0: 0.64 / 1.83
-    (0, False),  # nothing accepted: 0 at any price
-    (-4, True),  # the docstring's 4 accepted in 80 ms: free at the dearer price
+@pytest.mark.parametrize("accepted, verify_ms, expected", [
+    (4, 100.0, False),  # the docstring's example: 2.0, and 1.29 / 3.67 with the plain pass 10% cheaper / dearer
+    (2, 100.0, True),  # 1.0: 0.64 / 1.83
+    (0, 100.0, False),  # nothing accepted: 0 at any price
+    (4, 70.0, True),  # 80 ms in all, under the dearer price (96.8 ms): the drafting looks free
 ])
-def test_hangs_on_price(accepted, expected):
-    spent = 80.0 if accepted < 0 else 110.0
-    sample = Sample(8, 8, abs(accepted), 0, 10.0, spent - 10.0)
+def test_hangs_on_price(accepted, verify_ms, expected):
+    sample = Sample(8, 8, accepted, 0, 10.0, verify_ms)
     assert hangs_on_price([sample], CURVE, 1.0) is expected
     assert hangs_on_price([sample, sample], CURVE, 1.0) is expected  # pooled: the same ratio
 
@@ -187,7 +186,7 @@ def test_a_verdict_that_hangs_on_the_plain_price_waits_for_a_control_and_is_pric
     assert len(load.samples) == 2 and load.awaits_price and load.control_due and load.ratio == 1.5
     assert gate.choose(drafting, 8) == frozenset()  # the control
     gate.observe(frozenset(), Sample(8, 0, 0, 0, 0.0, 88.0))
-    assert load.plain_scale == pytest.approx(1.15) and not load.control_due
+    assert load.plain_scale == pytest.approx(1.15) and not load.control_due and load.priced_after
     assert gate.choose(drafting, 8) == frozenset(range(8))
     gate.observe(frozenset(range(8)), Sample(8, 8, 1, 0, 10.0, 100.0))
     assert load.ratio == pytest.approx(3 / (3 * 8.8 * 8 / 101.2)) and load.samples == []
@@ -281,9 +280,11 @@ def test_only_a_clear_verdict_that_drafting_pays_starts_the_sit_outs_over():
     load, waits = Load(plain_scale=1.0), []
 
     def verdict(ratio: float) -> None:
-        for _ in range(SAMPLES):
-            decide(load, one_running(16, ratio * 10, 10.0), bound=True)
-            load.priced(1.0)  # a control came after the first (1.1 hangs on the plain price)
+        assert SAMPLES == 2
+        decide(load, one_running(16, ratio * 10, 10.0), bound=True)
+        load.priced(1.0)  # a control after the first sample (1.1 hangs on the plain price)
+        decide(load, one_running(16, ratio * 10, 10.0), bound=True)
+        assert load.ratio == pytest.approx(ratio)
         waits.append(load.wait)
     for ratio in (0.5, 0.5, 1.1, 0.5, 0.5, 2.0):
         verdict(ratio)
